@@ -1,0 +1,136 @@
+"""devs-sandbox: ephemeral, resource-capped sandboxes for AI coding agents.
+
+Public API (everything else is importable but not promised)::
+
+    from devs_sandbox import SandboxLifecycleManager, SandboxLifecycleConfig
+
+    manager = SandboxLifecycleManager()
+    outcome = manager.run_in_sandbox(["python3", "-c", "print(1)"], SandboxLifecycleConfig())
+    print(outcome.exit_code, outcome.result.stdout.text)
+"""
+
+from devs_sandbox.config import (
+    DevsConfig,
+    IsolationConfig,
+    QuotaConfig,
+    SandboxLifecycleConfig,
+    load_config,
+    override,
+)
+from devs_sandbox.drivers.fake import FakeDriver
+from devs_sandbox.drivers.process import ProcessDriver
+from devs_sandbox.errors import (
+    ConfigError,
+    DevsSandboxError,
+    DiskQuotaExceededError,
+    DriverError,
+    DriverUnavailableError,
+    ExecTimeoutError,
+    ImageUnavailableError,
+    InvalidSandboxIdError,
+    IsolationUnavailableError,
+    ProvisionError,
+    QuotaExceededError,
+    ResourceLimitExceededError,
+    SandboxCancelledError,
+    SandboxCommandError,
+    SandboxNotFoundError,
+    SandboxPreFlightError,
+    SandboxRunError,
+    SandboxTimeoutError,
+    SecretError,
+    SecurityConfigError,
+    StoreError,
+    UnsupportedRuntimeError,
+)
+from devs_sandbox.events import EventBus, SandboxEvents
+from devs_sandbox.lifecycle import Sandbox, SandboxLifecycleManager
+from devs_sandbox.models import (
+    CapturedStream,
+    DetectionRule,
+    ExecResult,
+    ResourceUsage,
+    SandboxContext,
+    SandboxMetrics,
+    SandboxOutcome,
+    Violation,
+    ViolationType,
+)
+from devs_sandbox.monitor.drain import (
+    FilesystemQuotaConfig,
+    ProcessQuotaConfig,
+    QuotaViolation,
+    ResourceDrainDetector,
+    check_filesystem_quota,
+    check_process_quota,
+)
+from devs_sandbox.scheduler import FakeScheduler, ThreadScheduler
+from devs_sandbox.store import ViolationStore
+from devs_sandbox.timeout import (
+    SandboxTimeoutEnforcer,
+    awith_execution_timeout,
+    default_timeout_enforcer,
+    with_execution_timeout,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CapturedStream",
+    "ConfigError",
+    "DetectionRule",
+    "DevsConfig",
+    "DevsSandboxError",
+    "DiskQuotaExceededError",
+    "DriverError",
+    "DriverUnavailableError",
+    "EventBus",
+    "ExecResult",
+    "ExecTimeoutError",
+    "FakeDriver",
+    "FakeScheduler",
+    "FilesystemQuotaConfig",
+    "ImageUnavailableError",
+    "InvalidSandboxIdError",
+    "IsolationConfig",
+    "IsolationUnavailableError",
+    "ProcessDriver",
+    "ProcessQuotaConfig",
+    "ProvisionError",
+    "QuotaConfig",
+    "QuotaExceededError",
+    "QuotaViolation",
+    "ResourceDrainDetector",
+    "ResourceLimitExceededError",
+    "ResourceUsage",
+    "Sandbox",
+    "SandboxCancelledError",
+    "SandboxCommandError",
+    "SandboxContext",
+    "SandboxEvents",
+    "SandboxLifecycleConfig",
+    "SandboxLifecycleManager",
+    "SandboxMetrics",
+    "SandboxNotFoundError",
+    "SandboxOutcome",
+    "SandboxPreFlightError",
+    "SandboxRunError",
+    "SandboxTimeoutEnforcer",
+    "SandboxTimeoutError",
+    "SecretError",
+    "SecurityConfigError",
+    "StoreError",
+    "ThreadScheduler",
+    "UnsupportedRuntimeError",
+    "Violation",
+    "ViolationStore",
+    "ViolationType",
+    "__version__",
+    "awith_execution_timeout",
+    "check_filesystem_quota",
+    "check_process_quota",
+    "default_timeout_enforcer",
+    "load_config",
+    "override",
+    "with_execution_timeout",
+]

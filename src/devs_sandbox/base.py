@@ -1,0 +1,78 @@
+"""The seams, as Protocols: what a driver, a clock/scheduler and a killable thing must offer.
+
+A driver does infrastructure only: create, run, sample, kill, destroy, and
+return plain data (``models``). It never calls the lifecycle or a monitor; facts
+that arrive on their own (an engine's OOM event) leave through an ``emit``
+callable handed to it. That keeps the Docker and Kubernetes drivers
+interchangeable with the process driver and with ``FakeDriver`` in tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from devs_sandbox.config import SandboxLifecycleConfig
+    from devs_sandbox.models import ExecResult, SandboxContext, SandboxMetrics
+
+OutputCallback = Callable[[bytes], None]
+Emit = Callable[[str, dict[str, Any]], Any]
+
+
+@runtime_checkable
+class SandboxDriver(Protocol):
+    """What every backend implements. ``destroy`` is idempotent and safe after a partial
+    ``provision``; ``force_stop`` kills every process but keeps the sandbox for inspection."""
+
+    name: str
+
+    def provision(self, config: SandboxLifecycleConfig) -> SandboxContext: ...
+
+    def exec(
+        self,
+        ctx: SandboxContext,
+        command: Sequence[str],
+        *,
+        timeout_s: float | None = None,
+        idle_timeout_s: float | None = None,
+        stdin: bytes | None = None,
+        env: Mapping[str, str] | None = None,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+        max_output_bytes: int | None = None,
+    ) -> ExecResult: ...
+
+    def get_metrics(self, ctx: SandboxContext) -> SandboxMetrics: ...
+
+    def is_running(self, ctx: SandboxContext) -> bool: ...
+
+    def force_stop(self, ctx: SandboxContext) -> None: ...
+
+    def destroy(self, ctx: SandboxContext) -> None: ...
+
+    def isolation_report(self, config: SandboxLifecycleConfig) -> dict[str, str]:
+        """Mechanism -> "" when it would be in effect for ``config``, else why not."""
+        ...
+
+    def reap_orphans(self) -> list[str]:
+        """Destroy sandboxes of this driver whose owner process is dead; return their ids."""
+        ...
+
+
+class Killable(Protocol):
+    """Anything the timeout enforcer can SIGKILL: a Popen, or a whole sandbox."""
+
+    def kill(self) -> None: ...
+
+
+class TimerHandle(Protocol):
+    def cancel(self) -> None: ...
+
+
+class Scheduler(Protocol):
+    """Monotonic time and delayed calls; the real one is a thread, the fake one is manual."""
+
+    def now(self) -> float: ...
+
+    def call_later(self, delay_s: float, fn: Callable[[], None]) -> TimerHandle: ...

@@ -1,0 +1,388 @@
+"""``devs.config.json``: one frozen, validated model, from which the JSON Schema is generated.
+
+Keys in the file are camelCase, as the specification names them
+(``sandbox.quotas.fileCountLimit``); Python code uses the snake_case attribute
+names. Every field has a docstring, a default and a range; a bad value, a string
+where a number belongs, or an unknown key raises ``ConfigError`` naming the key.
+
+``SandboxLifecycleConfig`` is both the ``sandbox`` section of the file and the
+per-run configuration passed to ``run_in_sandbox``: the CLI and the MCP server
+derive a run's config from the file's with :func:`override`, which re-validates.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    ValidationError,
+    field_validator,
+)
+from pydantic.alias_generators import to_camel
+
+from devs_sandbox.errors import ConfigError
+from devs_sandbox.models import validate_sandbox_id
+
+CONFIG_FILE_NAME = "devs.config.json"
+SCHEMA_FILE_NAME = "devs.config.json.schema"
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+
+DEFAULT_TIMEOUT_MS = 300_000
+DEFAULT_FILE_COUNT_LIMIT = 10_000
+DEFAULT_PROCESS_COUNT_LIMIT = 512
+DEFAULT_DIRECTORY_DEPTH_LIMIT = 20
+DEFAULT_POLL_INTERVAL_MS = 2_000
+DEFAULT_MAX_OUTPUT_BYTES = 1 * MiB
+
+# Isolation mechanisms a run may require (``sandbox.isolation.required``).
+Mechanism = Literal[
+    "rlimits",
+    "cgroup",
+    "pid-namespace",
+    "net-namespace",
+    "mount-namespace",
+    "tmpfs-workspace",
+    "unprivileged-user",
+]
+# What ``--strict`` requires: everything that makes the kill total and the host unreachable.
+STRICT_MECHANISMS: tuple[Mechanism, ...] = (
+    "cgroup",
+    "pid-namespace",
+    "net-namespace",
+    "mount-namespace",
+)
+
+DriverName = Literal["process", "docker", "fake"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(
+        frozen=True,
+        extra="forbid",
+        alias_generator=to_camel,
+        populate_by_name=True,
+        use_attribute_docstrings=True,
+        validate_default=True,
+    )
+
+
+class QuotaConfig(_Model):
+    """Hard limits of one sandbox. The kernel enforces what it can; the detector polls the rest."""
+
+    file_count_limit: Annotated[StrictInt, Field(ge=1, le=100_000_000)] = DEFAULT_FILE_COUNT_LIMIT
+    """Most files and directories the workspace may hold (tmpfs nr_inodes where available)."""
+
+    process_count_limit: Annotated[StrictInt, Field(ge=1, le=4_194_304)] = (
+        DEFAULT_PROCESS_COUNT_LIMIT
+    )
+    """Most processes and threads alive at once (pids cgroup where available)."""
+
+    directory_depth_limit: Annotated[StrictInt, Field(ge=1, le=4096)] = (
+        DEFAULT_DIRECTORY_DEPTH_LIMIT
+    )
+    """Deepest directory nesting allowed below the workspace."""
+
+    max_file_size_bytes: Annotated[StrictInt, Field(ge=1)] = 1 * GiB
+    """Largest single file a process may write (RLIMIT_FSIZE)."""
+
+    memory_bytes: Annotated[StrictInt, Field(ge=4 * MiB)] = 2 * GiB
+    """Memory cap of the whole sandbox (memory cgroup; RLIMIT_AS only without a cgroup)."""
+
+    disk_bytes: Annotated[StrictInt, Field(ge=1 * MiB)] = 1 * GiB
+    """Size of the tmpfs workspace. tmpfs lives in RAM and is charged to the memory cap."""
+
+    cpu_cores: Annotated[float, Field(gt=0, le=1024)] | None = None
+    """CPU bandwidth cap in cores (cpu cgroup quota); null leaves CPU uncapped."""
+
+    max_open_files: Annotated[StrictInt, Field(ge=16, le=1_048_576)] = 1024
+    """RLIMIT_NOFILE of every process in the sandbox."""
+
+    address_space_bytes: Annotated[StrictInt, Field(ge=16 * MiB)] | None = None
+    """Explicit RLIMIT_AS; by default only set when no memory cgroup is available."""
+
+    poll_interval_ms: Annotated[StrictInt, Field(ge=10, le=600_000)] = DEFAULT_POLL_INTERVAL_MS
+    """How often the resource drain detector samples each sandbox."""
+
+    growth_lookahead_ticks: Annotated[StrictInt, Field(ge=0, le=100)] = 2
+    """Growth rule: terminate early when the current trend crosses a limit within this many
+    ticks; 0 disables the growth rule and leaves only the threshold rule."""
+
+    growth_min_samples: Annotated[StrictInt, Field(ge=2, le=100)] = 3
+    """Growth rule: how many consecutive growing samples make a sustained trend."""
+
+    growth_metrics: tuple[Literal["fileCount", "processCount"], ...] = ("fileCount",)
+    """Growth rule: which counts it watches. Process count is off by default: builds spawn
+    short bursts of processes, and the pids cgroup already holds that line."""
+
+    depth_scan_budget_ms: Annotated[StrictInt, Field(ge=1, le=60_000)] = 200
+    """Most time one tick may spend walking the workspace for depth and file sizes."""
+
+
+class IsolationConfig(_Model):
+    """Which host mechanisms the process driver uses, and which a run refuses to go without."""
+
+    required: tuple[Mechanism, ...] = ()
+    """Mechanisms without which a run refuses to start (exit 125); --strict adds the four
+    that make the kill total and the host unreachable."""
+
+    run_as_user: Literal["auto", "current"] | Annotated[StrictInt, Field(ge=1)] = "auto"
+    """Uid the sandbox runs as: "auto" drops root to nobody (65534), "current" keeps the
+    caller's uid, a number picks that uid."""
+
+    tmpfs_workspace: StrictBool = True
+    """Mount the workspace as a tmpfs sized by quotas.diskBytes and quotas.fileCountLimit
+    when the host allows (root)."""
+
+    use_bwrap: StrictBool = True
+    """Use bubblewrap namespaces (pid, net, mount, ipc, uts) when bwrap works on this host."""
+
+    use_cgroups: StrictBool = True
+    """Use a cgroup per sandbox (memory, pids, cpu, freezer) when the host allows."""
+
+    hide_paths: tuple[str, ...] = ("/home", "/root", "/run/user", "/var/run/docker.sock")
+    """Host paths replaced by an empty tmpfs (or hidden) inside a mount namespace."""
+
+    @field_validator("hide_paths")
+    @classmethod
+    def _absolute(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for p in v:
+            if not p.startswith("/"):
+                raise ValueError(f"hide path {p!r} must be absolute")
+        return v
+
+
+class EnvironmentConfig(_Model):
+    """Host environment passed through the sanitizer into sandboxes and external tools."""
+
+    extra_allow: tuple[str, ...] = ()
+    """Extra host variable names (or NAME* prefixes) to pass through; the deny rule still wins."""
+
+    extra_deny: tuple[str, ...] = ()
+    """Extra host variable names (or NAME* prefixes) never to pass through."""
+
+
+class SandboxLifecycleConfig(_Model):
+    """One sandbox run: driver, timeouts, quotas, isolation. Also the file's ``sandbox``."""
+
+    driver: DriverName = "process"
+    """Backend that runs the sandbox: "process" (this host) or "docker"."""
+
+    sandbox_id: str | None = None
+    """Fixed id for the sandbox (letters, digits, '.', '_', '-'; at most 64); null = random."""
+
+    timeout_ms: Annotated[StrictInt, Field(ge=1, le=86_400_000)] = DEFAULT_TIMEOUT_MS
+    """Total time budget of a run, preflight included; on expiry every process is SIGKILLed."""
+
+    preflight_timeout_ms: Annotated[StrictInt, Field(ge=1, le=86_400_000)] = 60_000
+    """Time budget of all preflight commands together."""
+
+    idle_timeout_ms: Annotated[StrictInt, Field(ge=1, le=86_400_000)] | None = None
+    """Kill a run that prints nothing on stdout or stderr for this long; null disables."""
+
+    preflight_commands: tuple[str, ...] = ()
+    """Shell commands (sh -c) run in the sandbox before the task; the first failure aborts."""
+
+    max_output_bytes: Annotated[StrictInt, Field(ge=64, le=1 * GiB)] = DEFAULT_MAX_OUTPUT_BYTES
+    """Bytes kept of each of stdout and stderr (head and tail); the middle is counted, not kept."""
+
+    env: dict[str, str] = Field(default_factory=dict)
+    """Variables set in the sandbox on top of the minimal environment."""
+
+    network: StrictBool = False
+    """Give the sandbox the host's network; false = loopback only (net namespace)."""
+
+    copy_in: Path | None = None
+    """Directory whose contents seed the workspace."""
+
+    image: str | None = None
+    """Container image for the docker driver; null = the default image (built locally)."""
+
+    quotas: QuotaConfig = Field(default_factory=QuotaConfig)
+    """Hard limits."""
+
+    isolation: IsolationConfig = Field(default_factory=IsolationConfig)
+    """Host isolation mechanisms."""
+
+    @field_validator("sandbox_id")
+    @classmethod
+    def _valid_id(cls, v: str | None) -> str | None:
+        return None if v is None else validate_sandbox_id(v)
+
+    @field_validator("env")
+    @classmethod
+    def _valid_env(cls, v: dict[str, str]) -> dict[str, str]:
+        for name in v:
+            if not name or "=" in name or "\0" in name:
+                raise ValueError(f"invalid environment variable name {name!r}")
+        for value in v.values():
+            if "\0" in value:
+                raise ValueError("environment values cannot contain NUL")
+        return v
+
+    @field_validator("preflight_commands")
+    @classmethod
+    def _nonempty(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if any(not c.strip() for c in v):
+            raise ValueError("preflight commands cannot be empty")
+        return v
+
+
+class StoreConfig(_Model):
+    """Where violations are recorded."""
+
+    path: Path | None = None
+    """SQLite file; null = $DEVS_SANDBOX_DB, else $XDG_DATA_HOME/devs-sandbox/devs.db."""
+
+
+class McpConfig(_Model):
+    """Defaults of the MCP server's tools."""
+
+    rss_limit_bytes: Annotated[StrictInt, Field(ge=1 * MiB)] = 4 * GiB
+    """run_shell_monitored: kill when the command's process tree RSS exceeds this."""
+
+    cpu_sustained_ms: Annotated[StrictInt, Field(ge=1)] = 10_000
+    """run_shell_monitored: kill after this long at or above 100% of one core."""
+
+    poll_interval_ms: Annotated[StrictInt, Field(ge=10, le=60_000)] = 1_000
+    """run_shell_monitored: sampling interval."""
+
+    timeout_s: Annotated[float, Field(gt=0, le=86_400)] = 300.0
+    """run_shell_monitored and sandbox_exec: default per-call timeout."""
+
+    session_idle_timeout_s: Annotated[float, Field(gt=0, le=86_400)] = 900.0
+    """Destroy an agent's sandbox after this long without a call."""
+
+    session_timeout_s: Annotated[float, Field(gt=0, le=604_800)] = 3_600.0
+    """Destroy an agent's sandbox this long after it was created, whatever it is doing."""
+
+    max_sessions: Annotated[StrictInt, Field(ge=1, le=1_000)] = 16
+    """Most sandboxes one server keeps alive at once."""
+
+
+class DevsConfig(_Model):
+    """The whole ``devs.config.json``."""
+
+    schema_: str | None = Field(default=None, alias="$schema")
+    """Optional path or URL of the JSON Schema, for editors."""
+
+    sandbox: SandboxLifecycleConfig = Field(default_factory=SandboxLifecycleConfig)
+    """Defaults of every sandbox run."""
+
+    store: StoreConfig = Field(default_factory=StoreConfig)
+    """Violation store."""
+
+    environment: EnvironmentConfig = Field(default_factory=EnvironmentConfig)
+    """Host environment sanitizer."""
+
+    mcp: McpConfig = Field(default_factory=McpConfig)
+    """MCP server defaults."""
+
+
+def _format_errors(exc: ValidationError, prefix: str = "") -> tuple[str, str | None]:
+    """One line naming the first bad key (in camelCase, as written in the file)."""
+    parts: list[str] = []
+    first_key: str | None = None
+    for err in exc.errors():
+        # Name keys as they are written in the file (camelCase), whichever side we validated.
+        loc = ".".join(to_camel(p) if isinstance(p, str) else str(p) for p in err["loc"])
+        key: str = f"{prefix}{loc}" if loc else (prefix.rstrip(".") or "(root)")
+        if first_key is None:
+            first_key = key
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        given = err.get("input")
+        shown = "" if err["type"] == "missing" else f" (got {given!r})"
+        if isinstance(given, dict):
+            shown = ""
+        parts.append(f"{key}: {msg}{shown}")
+    return "; ".join(parts), first_key
+
+
+def parse_config(data: Any, *, source: str = "config") -> DevsConfig:
+    """Validate already-decoded JSON into a ``DevsConfig``."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a JSON object", key="(root)")
+    try:
+        return DevsConfig.model_validate(data)
+    except ValidationError as exc:
+        msg, key = _format_errors(exc)
+        raise ConfigError(f"{source}: {msg}", key=key) from None
+
+
+def load_config(path: Path | str | None = None, *, cwd: Path | None = None) -> DevsConfig:
+    """Load ``path``, or ``./devs.config.json`` if it exists, or the defaults.
+
+    An explicit path that does not exist is an error; a missing implicit file is not.
+    """
+    if path is None:
+        candidate = (cwd or Path.cwd()) / CONFIG_FILE_NAME
+        if not candidate.is_file():
+            return DevsConfig()
+        path = candidate
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}", key="--config") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}", key="--config") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            f"{path}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}",
+            key="(root)",
+        ) from None
+    return parse_config(data, source=str(path))
+
+
+def override(config: SandboxLifecycleConfig, **changes: Any) -> SandboxLifecycleConfig:
+    """A copy of ``config`` with ``changes`` (snake_case; ``quotas``/``isolation`` as dicts
+    merged into the existing ones), re-validated so an override cannot smuggle in a bad value.
+    """
+    data = config.model_dump()
+    for key in ("quotas", "isolation"):
+        if key in changes:
+            nested = changes.pop(key)
+            if isinstance(nested, BaseModel):
+                nested = nested.model_dump()
+            data[key] = {**data[key], **nested}
+    data.update(changes)
+    try:
+        return SandboxLifecycleConfig.model_validate(data)
+    except ValidationError as exc:
+        msg, bad_key = _format_errors(exc, prefix="sandbox.")
+        raise ConfigError(msg, key=bad_key) from None
+
+
+def config_json_schema() -> dict[str, Any]:
+    """The JSON Schema of ``devs.config.json``, generated from the models (never hand-edited)."""
+    schema = DevsConfig.model_json_schema(by_alias=True, mode="validation")
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "devs.config.json"
+    return schema
+
+
+def render_schema() -> str:
+    return json.dumps(config_json_schema(), indent=2, sort_keys=True) + "\n"
+
+
+def default_db_path() -> Path:
+    """$DEVS_SANDBOX_DB, else the XDG data directory."""
+    env = os.environ.get("DEVS_SANDBOX_DB")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "devs-sandbox" / "devs.db"

@@ -1,0 +1,139 @@
+"""``devs-sandbox doctor`` and ``cleanup``: what this host supports, and reaping leftovers.
+
+The doctor answers, per mechanism, "in effect for a default run here?" and if
+not, why not and what to do, so that a user on a laptop (cgroup v2, no root)
+knows exactly which guarantee they are missing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+from devs_sandbox.config import DevsConfig, default_db_path
+from devs_sandbox.isolation import probe_host
+
+logger = logging.getLogger(__name__)
+
+HINTS = {
+    "cgroup": "run as root on a host with the memory and pids controllers",
+    "pid-namespace": "apt-get install bubblewrap (and allow unprivileged user namespaces)",
+    "mount-namespace": "apt-get install bubblewrap",
+    "net-namespace": "apt-get install bubblewrap",
+    "tmpfs-workspace": "run as root",
+    "unprivileged-user": "run as root so sandboxes can drop to nobody, or leave runAsUser=auto",
+    "rlimits": "Linux only",
+}
+
+
+def diagnose(config: DevsConfig) -> dict[str, Any]:
+    """Machine-readable report: host facts, and each mechanism's status and reason."""
+    from devs_sandbox.drivers.process import ProcessDriver  # noqa: PLC0415
+
+    host = probe_host()
+    driver = ProcessDriver(host=host)
+    report = driver.isolation_report(config.sandbox)
+    mechanisms = {
+        name: {"available": not why, "reason": why, "hint": HINTS.get(name, "") if why else ""}
+        for name, why in report.items()
+    }
+    cg = host.cgroup
+    cgroup_info: dict[str, Any] = {
+        "version": cg.version,
+        "reason": cg.reason,
+        "controllers": list(cg.controllers),
+        "unified_mount": str(cg.unified) if cg.unified else None,
+        "v1_mounts": {k: str(v) for k, v in cg.mounts.items()},
+    }
+    uid, _ = driver._run_as(config.sandbox)
+    bw = host.bwrap_for(uid)
+    db = config.store.path or default_db_path()
+    return {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "euid": host.euid,
+        "sandbox_uid": uid,
+        "cgroup": cgroup_info,
+        "bwrap": {"path": bw.path, "works": bw.works, "version": bw.version, "reason": bw.reason},
+        "mechanisms": mechanisms,
+        "store": {"path": str(db), "writable": _writable(db)},
+        "docker": _docker_status(),
+    }
+
+
+def _writable(path: Path) -> bool:
+    """Could the store be created or written at ``path`` (nearest existing ancestor)?"""
+    if path.exists():
+        return os.access(path, os.W_OK)
+    d = path.parent
+    while not d.exists():
+        if d.parent == d:
+            return False
+        d = d.parent
+    return os.access(d, os.W_OK)
+
+
+def _docker_status() -> dict[str, Any]:
+    try:
+        import docker  # noqa: PLC0415
+    except ImportError:
+        return {"available": False, "reason": "pip install 'devs-sandbox[docker]'"}
+    try:
+        client = docker.from_env(timeout=3)
+        version = client.version().get("Version", "?")
+        client.close()
+    except Exception as exc:
+        return {"available": False, "reason": f"engine not reachable: {exc}"}
+    return {"available": True, "version": version, "reason": ""}
+
+
+def render(report: dict[str, Any]) -> str:
+    lines = [
+        f"devs-sandbox doctor (python {report['python']}, euid {report['euid']}, "
+        f"sandboxes run as uid {report['sandbox_uid']})",
+        "",
+    ]
+    for name, info in report["mechanisms"].items():
+        if info["available"]:
+            detail = ""
+            if name == "cgroup":
+                detail = f"v{report['cgroup']['version']}"
+            elif name.endswith("namespace"):
+                detail = f"bubblewrap {report['bwrap']['version']}".strip()
+            lines.append(f"  {name:<18} yes  {detail}".rstrip())
+        else:
+            lines.append(f"  {name:<18} no   {info['reason']}")
+            if info["hint"]:
+                lines.append(f"  {'':<18}      -> {info['hint']}")
+    docker = report["docker"]
+    docker_line = (
+        "yes  " + docker.get("version", "") if docker["available"] else "no   " + docker["reason"]
+    )
+    lines.append(f"  {'docker':<18} {docker_line}")
+    store = report["store"]
+    lines.append(
+        f"  {'store':<18} {store['path']} ({'writable' if store['writable'] else 'NOT writable'})"
+    )
+    return "\n".join(lines) + "\n"
+
+
+def cleanup_all(config: DevsConfig) -> dict[str, list[str]]:
+    """Reap orphans of every driver that can be loaded here."""
+    from devs_sandbox.lifecycle import SandboxLifecycleManager  # noqa: PLC0415
+
+    reaped: dict[str, list[str]] = {}
+    manager = SandboxLifecycleManager(config=config, store=None, reap_orphans=False)
+    for name in ("process", "docker"):
+        try:
+            driver = manager.driver_for(config.sandbox.model_copy(update={"driver": name}))
+        except Exception as exc:  # e.g. the docker SDK not installed: nothing of it to reap
+            logger.debug("no %s driver here: %s", name, exc)
+            continue
+        ids = manager.reap_orphans(driver)
+        if ids:
+            reaped[name] = ids
+    return reaped

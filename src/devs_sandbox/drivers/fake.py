@@ -1,0 +1,183 @@
+"""A scripted driver that ships in the library, so tests of the lifecycle, the detector and
+the CLI build the real objects around a fake backend instead of patching module paths.
+
+It does no isolation at all: never use it to run untrusted code. Results and
+metrics are scripted; every call is recorded for assertions.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from devs_sandbox.base import OutputCallback
+from devs_sandbox.config import SandboxLifecycleConfig
+from devs_sandbox.errors import ProvisionError, SandboxNotFoundError
+from devs_sandbox.models import (
+    CapturedStream,
+    ExecResult,
+    ResourceUsage,
+    SandboxContext,
+    SandboxMetrics,
+    new_sandbox_id,
+    validate_sandbox_id,
+)
+
+ExecHandler = Callable[["FakeSandbox", Sequence[str]], ExecResult]
+MetricsHandler = Callable[["FakeSandbox"], SandboxMetrics]
+
+
+def ok_result(stdout: str = "", exit_code: int = 0, stderr: str = "") -> ExecResult:
+    return ExecResult(
+        exit_code=exit_code,
+        stdout=CapturedStream(stdout, total_bytes=len(stdout)),
+        stderr=CapturedStream(stderr, total_bytes=len(stderr)),
+        duration_s=0.0,
+        resources=ResourceUsage(cpu_time_s=0.0, peak_memory_bytes=0, peak_processes=1),
+    )
+
+
+def killed_result() -> ExecResult:
+    return ExecResult(
+        exit_code=137,
+        stdout=CapturedStream(),
+        stderr=CapturedStream(),
+        duration_s=0.0,
+        signal=9,
+    )
+
+
+@dataclass
+class FakeSandbox:
+    ctx: SandboxContext
+    config: SandboxLifecycleConfig
+    commands: list[list[str]] = field(default_factory=list)
+    stopped: threading.Event = field(default_factory=threading.Event)
+    force_stops: int = 0
+    samples: int = 0
+
+
+class FakeDriver:
+    """Scripted backend. ``exec_handler`` decides each exec's result; ``metrics`` is a list
+    of samples served in order (the last one repeats) or a function of the sandbox."""
+
+    name = "fake"
+
+    def __init__(
+        self,
+        *,
+        exec_handler: ExecHandler | None = None,
+        metrics: Iterable[SandboxMetrics] | MetricsHandler | None = None,
+        isolation: tuple[str, ...] = ("fake",),
+        fail_provision: bool = False,
+    ) -> None:
+        self.exec_handler = exec_handler or (lambda _sb, _cmd: ok_result())
+        self._metrics_handler: MetricsHandler | None = None
+        self._metrics_list: list[SandboxMetrics] = []
+        if callable(metrics):
+            self._metrics_handler = metrics
+        elif metrics is not None:
+            self._metrics_list = list(metrics)
+        self.isolation = isolation
+        self.fail_provision = fail_provision
+        self.sandboxes: dict[str, FakeSandbox] = {}
+        self.destroyed: list[str] = []
+        self.provisioned: list[str] = []
+        self._lock = threading.Lock()
+
+    def isolation_report(self, config: SandboxLifecycleConfig) -> dict[str, str]:
+        del config
+        return dict.fromkeys(self.isolation, "")
+
+    def provision(self, config: SandboxLifecycleConfig) -> SandboxContext:
+        sandbox_id = validate_sandbox_id(config.sandbox_id or new_sandbox_id())
+        if self.fail_provision:
+            raise ProvisionError("scripted provision failure")
+        ctx = SandboxContext(
+            id=sandbox_id,
+            driver=self.name,
+            workspace=Path("/nonexistent/fake") / sandbox_id,
+            isolation=self.isolation,
+        )
+        with self._lock:
+            if sandbox_id in self.sandboxes:
+                raise ProvisionError(f"sandbox {sandbox_id} already exists")
+            self.sandboxes[sandbox_id] = FakeSandbox(ctx, config)
+            self.provisioned.append(sandbox_id)
+        return ctx
+
+    def _get(self, ctx: SandboxContext) -> FakeSandbox:
+        with self._lock:
+            sb = self.sandboxes.get(ctx.id)
+        if sb is None:
+            raise SandboxNotFoundError(ctx.id)
+        return sb
+
+    def exec(
+        self,
+        ctx: SandboxContext,
+        command: Sequence[str],
+        *,
+        timeout_s: float | None = None,
+        idle_timeout_s: float | None = None,
+        stdin: bytes | None = None,
+        env: Mapping[str, str] | None = None,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+        max_output_bytes: int | None = None,
+    ) -> ExecResult:
+        del idle_timeout_s, stdin, env, max_output_bytes
+        sb = self._get(ctx)
+        sb.commands.append(list(command))
+        start = time.monotonic()
+        result = self.exec_handler(sb, command)
+        if timeout_s is not None and time.monotonic() - start > timeout_s:
+            result = ExecResult(
+                exit_code=137,
+                stdout=result.stdout,
+                stderr=result.stderr,
+                duration_s=time.monotonic() - start,
+                timed_out=True,
+                signal=9,
+            )
+        if on_stdout is not None and result.stdout.text:
+            on_stdout(result.stdout.text.encode())
+        if on_stderr is not None and result.stderr.text:
+            on_stderr(result.stderr.text.encode())
+        return result
+
+    def get_metrics(self, ctx: SandboxContext) -> SandboxMetrics:
+        sb = self._get(ctx)
+        sb.samples += 1
+        if self._metrics_handler is not None:
+            return self._metrics_handler(sb)
+        if self._metrics_list:
+            i = min(sb.samples - 1, len(self._metrics_list) - 1)
+            m = self._metrics_list[i]
+            return replace(m, sandbox_id=ctx.id)
+        return SandboxMetrics(sandbox_id=ctx.id, timestamp=time.monotonic())
+
+    def is_running(self, ctx: SandboxContext) -> bool:
+        with self._lock:
+            sb = self.sandboxes.get(ctx.id)
+        return sb is not None and not sb.stopped.is_set()
+
+    def force_stop(self, ctx: SandboxContext) -> None:
+        with self._lock:
+            sb = self.sandboxes.get(ctx.id)
+        if sb is not None:
+            sb.force_stops += 1
+            sb.stopped.set()
+
+    def destroy(self, ctx: SandboxContext) -> None:
+        with self._lock:
+            sb = self.sandboxes.pop(ctx.id, None)
+            self.destroyed.append(ctx.id)
+        if sb is not None:
+            sb.stopped.set()
+
+    def reap_orphans(self) -> list[str]:
+        return []

@@ -1,0 +1,860 @@
+"""The process driver: sandboxes made of host processes, layered with whatever the host offers.
+
+Layers, each detected and reported (``SandboxContext.isolation``):
+- ``rlimits`` always: RLIMIT_FSIZE, NOFILE, CORE=0; NPROC and AS only as fallbacks
+  (RLIMIT_NPROC is per uid and ignored for root; RLIMIT_AS turns an OOM into a
+  MemoryError and breaks runtimes that reserve address space);
+- ``cgroup`` (v2 or v1) when writable: the memory and pids caps, CPU accounting,
+  and the total kill;
+- ``pid-namespace``, ``mount-namespace``, ``net-namespace`` through bubblewrap;
+- ``tmpfs-workspace`` when root: the workspace's bytes and inodes capped by the kernel;
+- ``unprivileged-user``: as root, the sandbox runs as nobody (65534).
+
+How a command starts, without ``preexec_fn`` (unsafe with our watchdog threads):
+Popen starts ``/bin/sh -c SHIM`` in a new session, as the sandbox uid, with the
+minimal environment. The shim blocks on a pipe. Meanwhile the parent sets the
+shim's rlimits with prlimit(2) and writes its pid into the sandbox cgroup; then
+it releases the pipe and the shim execs bwrap (or the command). Everything the
+command ever forks therefore inherits the limits and the cgroup: no window for a
+fork bomb to start outside them.
+
+Invariant: ``destroy`` leaves no process, cgroup, mount, directory or lease, is
+idempotent, works after a partial ``provision`` and after a crash (by id).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pwd
+import resource
+import selectors
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final
+
+from devs_sandbox.base import Emit, OutputCallback
+from devs_sandbox.capture import HeadTailCapture
+from devs_sandbox.config import SandboxLifecycleConfig
+from devs_sandbox.errors import (
+    DriverError,
+    IsolationUnavailableError,
+    ProvisionError,
+    SandboxNotFoundError,
+)
+from devs_sandbox.isolation import (
+    NOBODY_GID,
+    NOBODY_UID,
+    HostSupport,
+    bwrap,
+    drop_privileges_argv,
+    mounts,
+    probe_host,
+)
+from devs_sandbox.isolation.cgroups import CgroupLimits, SandboxCgroup, list_sandbox_cgroups
+from devs_sandbox.leases import LEASE_GRACE_S, Lease, LeaseRegistry, Owner
+from devs_sandbox.models import (
+    ExecResult,
+    ResourceUsage,
+    SandboxContext,
+    SandboxMetrics,
+    new_sandbox_id,
+    validate_sandbox_id,
+)
+from devs_sandbox.workspace import WorkspaceScanner
+
+logger = logging.getLogger(__name__)
+
+WORKSPACE_PREFIX: Final = "devs-sandbox-"
+DEFAULT_PATH: Final = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# The shim waits on its stdin (a pipe) for the parent to finish setting limits, then
+# becomes the command. $0 is a label; $1 says whether the caller gave stdin (else the
+# command gets /dev/null); the rest is the real argv. dash's read builtin takes one
+# byte at a time from a pipe, so it never swallows the caller's data after "go".
+# PWD is the only variable dash adds to the environment.
+SHIM: Final = (
+    'read -r _ || exit 125; unset PWD; if [ "$1" = 0 ]; then shift; exec "$@" </dev/null; fi; '
+    'shift; exec "$@"'
+)
+SHIM_NAME: Final = "devs-sandbox-shim"
+READ_CHUNK: Final = 65_536
+EXIT_DRAIN_GRACE_S: Final = 0.2  # after exit, how long a grandchild may keep our pipes open
+KILL_DRAIN_GRACE_S: Final = 0.5  # after a kill, how long to wait for pipes to close
+SAMPLE_INTERVAL_S: Final = 0.05  # peak process count sampling while an exec runs
+NO_PIDFD_POLL_S: Final = 0.01  # exit polling when the kernel has no pidfd (< 5.3)
+MAX_SIGNAL: Final = 64
+
+MECHANISMS: Final = (
+    "rlimits",
+    "cgroup",
+    "pid-namespace",
+    "mount-namespace",
+    "net-namespace",
+    "tmpfs-workspace",
+    "unprivileged-user",
+)
+
+
+@dataclass
+class _Box:
+    """Live state of one sandbox, private to the driver."""
+
+    id: str
+    config: SandboxLifecycleConfig
+    workspace: Path
+    uid: int
+    gid: int
+    isolation: tuple[str, ...]
+    cgroup: SandboxCgroup | None = None
+    mounted: bool = False
+    bwrap_path: str | None = None
+    procs: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
+    peak_processes: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    scanner: WorkspaceScanner | None = None
+
+
+def _exit_code_from_status(status: int) -> tuple[int, int | None]:
+    """(shell-style exit code, killing signal or None)."""
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        return 128 + sig, sig
+    code = os.WEXITSTATUS(status)
+    return code, None
+
+
+def _signal_from_code(code: int, signaled: int | None, through_bwrap: bool) -> int | None:
+    if signaled is not None:
+        return signaled
+    # bwrap reports a signalled command as 128 + N (as shells do).
+    if through_bwrap and 128 < code <= 128 + MAX_SIGNAL:
+        return code - 128
+    return None
+
+
+class ProcessDriver:
+    """Runs sandboxes as host processes; see the module docstring for the layers."""
+
+    name = "process"
+
+    def __init__(
+        self,
+        *,
+        leases: LeaseRegistry | None = None,
+        workspace_root: Path | None = None,
+        emit: Emit | None = None,
+        host: HostSupport | None = None,
+        host_env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.leases = leases or LeaseRegistry()
+        self.workspace_root = workspace_root or Path(tempfile.gettempdir())
+        self._emit = emit
+        self._host = host
+        self._host_env = host_env
+        self._boxes: dict[str, _Box] = {}
+        self._lock = threading.Lock()
+
+    # -- host support ---------------------------------------------------------------
+    @property
+    def host(self) -> HostSupport:
+        if self._host is None:
+            self._host = probe_host()
+        return self._host
+
+    def _run_as(self, config: SandboxLifecycleConfig) -> tuple[int, int]:
+        euid = os.geteuid()
+        want = config.isolation.run_as_user
+        if want == "current":
+            return euid, os.getegid()
+        if want == "auto":
+            return (NOBODY_UID, NOBODY_GID) if euid == 0 else (euid, os.getegid())
+        uid = int(want)
+        if euid not in (uid, 0):
+            raise IsolationUnavailableError(
+                {"unprivileged-user": f"switching to uid {uid} needs root"}
+            )
+        try:
+            gid = pwd.getpwuid(uid).pw_gid
+        except KeyError:
+            gid = uid
+        return uid, gid
+
+    def isolation_report(self, config: SandboxLifecycleConfig) -> dict[str, str]:
+        """Mechanism -> "" if it will be in effect for ``config``, else the reason why not."""
+        host = self.host
+        iso = config.isolation
+        uid, _gid = self._run_as(config)
+        report: dict[str, str] = dict.fromkeys(MECHANISMS, "")
+        report["rlimits"] = host.rlimits[1]
+        if not iso.use_cgroups:
+            report["cgroup"] = "disabled by sandbox.isolation.useCgroups"
+        elif not host.cgroup.available:
+            report["cgroup"] = host.cgroup.reason
+        bw = host.bwrap_for(uid)
+        ns_reason = ""
+        if not iso.use_bwrap:
+            ns_reason = "disabled by sandbox.isolation.useBwrap"
+        elif not bw.works:
+            ns_reason = bw.reason
+        for m in ("pid-namespace", "mount-namespace", "net-namespace"):
+            report[m] = ns_reason
+        if config.network and not ns_reason:
+            report["net-namespace"] = "network requested (--network)"
+        if not iso.tmpfs_workspace:
+            report["tmpfs-workspace"] = "disabled by sandbox.isolation.tmpfsWorkspace"
+        elif not host.tmpfs[0]:
+            report["tmpfs-workspace"] = host.tmpfs[1]
+        if uid == 0:
+            report["unprivileged-user"] = "sandbox runs as root (isolation.runAsUser)"
+        return report
+
+    @staticmethod
+    def check_required(report: Mapping[str, str], required: Sequence[str]) -> None:
+        missing = {m: report.get(m, "unknown mechanism") for m in required if report.get(m, "?")}
+        if missing:
+            raise IsolationUnavailableError(missing)
+
+    # -- provision --------------------------------------------------------------------
+    def provision(self, config: SandboxLifecycleConfig) -> SandboxContext:
+        sandbox_id = validate_sandbox_id(config.sandbox_id or new_sandbox_id())
+        report = self.isolation_report(config)
+        self.check_required(report, config.isolation.required)
+        uid, gid = self._run_as(config)
+        active = tuple(m for m, why in report.items() if not why)
+        if "cgroup" in active:
+            active = tuple(
+                f"cgroup-v{self.host.cgroup.version}" if m == "cgroup" else m for m in active
+            )
+        workspace = self.workspace_root / f"{WORKSPACE_PREFIX}{sandbox_id}"
+        box = _Box(sandbox_id, config, workspace, uid, gid, active)
+        with self._lock:
+            if sandbox_id in self._boxes:
+                raise ProvisionError(f"sandbox {sandbox_id} already exists")
+            self._boxes[sandbox_id] = box
+        ctx = SandboxContext(id=sandbox_id, driver=self.name, workspace=workspace, isolation=active)
+        try:
+            self._provision(box, report)
+        except BaseException as exc:
+            self.destroy(ctx)
+            if isinstance(exc, ProvisionError | IsolationUnavailableError):
+                raise
+            if isinstance(exc, OSError | ValueError | DriverError):
+                raise ProvisionError(f"cannot provision sandbox {sandbox_id}: {exc}") from exc
+            raise
+        labels = {"uid": str(uid)}
+        if box.cgroup is not None:
+            labels["cgroup"] = ",".join(str(p) for p in box.cgroup.paths)
+        return SandboxContext(
+            id=sandbox_id,
+            driver=self.name,
+            workspace=workspace,
+            isolation=active,
+            labels=labels,
+        )
+
+    def _provision(self, box: _Box, report: Mapping[str, str]) -> None:
+        cfg = box.config
+        q = cfg.quotas
+        # The lease comes first, so a crash at any later step leaves a findable orphan.
+        self.leases.write(
+            Lease(
+                sandbox_id=box.id,
+                driver=self.name,
+                owner=Owner.current(),
+                workspace=str(box.workspace),
+            )
+        )
+        try:
+            box.workspace.mkdir(mode=0o700)
+        except FileExistsError:
+            raise ProvisionError(
+                f"workspace {box.workspace} already exists (sandbox id in use? "
+                "run `devs-sandbox cleanup`)"
+            ) from None
+        if not report["tmpfs-workspace"]:
+            # +1: the tmpfs root directory takes an inode of its own.
+            mounts.mount_tmpfs(
+                box.workspace,
+                mounts.TmpfsOptions(q.disk_bytes, q.file_count_limit + 1, box.uid, box.gid),
+            )
+            box.mounted = True
+        elif box.uid != os.geteuid():
+            os.chown(box.workspace, box.uid, box.gid)
+        if not report["cgroup"]:
+            limits = CgroupLimits(
+                memory_bytes=q.memory_bytes,
+                pids_max=q.process_count_limit,
+                cpu_cores=q.cpu_cores,
+            )
+            cg = SandboxCgroup(
+                self.host.cgroup, box.id, controllers=SandboxCgroup.controllers_for(limits)
+            )
+            box.cgroup = cg
+            cg.create(limits)
+        if not report["pid-namespace"]:
+            box.bwrap_path = self.host.bwrap_for(box.uid).path
+        if cfg.copy_in is not None:
+            self._copy_in(box, cfg.copy_in)
+        box.scanner = WorkspaceScanner(box.workspace, budget_s=q.depth_scan_budget_ms / 1000)
+
+    def _copy_in(self, box: _Box, source: Path) -> None:
+        if not source.is_dir():
+            raise ProvisionError(f"--copy-in {source}: not a directory")
+        try:
+            shutil.copytree(source, box.workspace, symlinks=True, dirs_exist_ok=True)
+        except shutil.Error as exc:
+            raise ProvisionError(
+                f"--copy-in {source}: could not copy everything "
+                "(more files than quotas.fileCountLimit or bytes than quotas.diskBytes?): "
+                f"{exc.args[0][0][2] if exc.args and exc.args[0] else exc}"
+            ) from exc
+        except OSError as exc:
+            raise ProvisionError(
+                f"--copy-in {source}: {exc.strerror} "
+                "(more files than quotas.fileCountLimit or bytes than quotas.diskBytes?)"
+            ) from exc
+        if box.uid != os.geteuid():
+            for root, dirs, files in os.walk(box.workspace):
+                for name in (*dirs, *files):
+                    os.lchown(Path(root) / name, box.uid, box.gid)
+
+    # -- exec ---------------------------------------------------------------------------
+    def _box(self, ctx: SandboxContext) -> _Box:
+        with self._lock:
+            box = self._boxes.get(ctx.id)
+        if box is None:
+            raise SandboxNotFoundError(ctx.id)
+        return box
+
+    def _env(self, box: _Box, extra: Mapping[str, str] | None) -> dict[str, str]:
+        host = self._host_env if self._host_env is not None else os.environ
+        env = {
+            "PATH": DEFAULT_PATH,
+            "HOME": str(box.workspace),
+            "LANG": host.get("LANG") or "C.UTF-8",
+            "TERM": host.get("TERM") or "dumb",
+            "TMPDIR": "/tmp",
+            "DEVS_SANDBOX_ID": box.id,
+        }
+        env.update(box.config.env)
+        if extra:
+            env.update(extra)
+        return env
+
+    def _rlimits(self, box: _Box) -> list[tuple[int, int]]:
+        q = box.config.quotas
+        limits = [
+            (resource.RLIMIT_CORE, 0),
+            (resource.RLIMIT_NOFILE, q.max_open_files),
+            (resource.RLIMIT_FSIZE, q.max_file_size_bytes),
+        ]
+        has_cgroup = box.cgroup is not None
+        if q.address_space_bytes is not None:
+            limits.append((resource.RLIMIT_AS, q.address_space_bytes))
+        elif not has_cgroup:
+            limits.append((resource.RLIMIT_AS, q.memory_bytes))
+        if not has_cgroup:
+            # Per uid, not per sandbox, and ignored for root: a last resort only.
+            limits.append((resource.RLIMIT_NPROC, q.process_count_limit))
+        return limits
+
+    def _drop_argv(self, box: _Box) -> list[str]:
+        if box.uid == os.geteuid():
+            return []
+        argv = drop_privileges_argv(box.uid, box.gid)
+        if not argv:
+            raise IsolationUnavailableError(
+                {"unprivileged-user": "setpriv (util-linux) not found; cannot drop privileges"}
+            )
+        return argv
+
+    def _argv(self, box: _Box, command: Sequence[str]) -> list[str]:
+        if box.bwrap_path is None:
+            return list(command)
+        return bwrap.build_argv(
+            box.bwrap_path,
+            workspace=box.workspace,
+            network=box.config.network,
+            hide_paths=box.config.isolation.hide_paths,
+            drop_caps=box.uid == 0,
+            command=command,
+        )
+
+    def exec(
+        self,
+        ctx: SandboxContext,
+        command: Sequence[str],
+        *,
+        timeout_s: float | None = None,
+        idle_timeout_s: float | None = None,
+        stdin: bytes | None = None,
+        env: Mapping[str, str] | None = None,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+        max_output_bytes: int | None = None,
+    ) -> ExecResult:
+        if not command:
+            raise ValueError("command must not be empty")
+        box = self._box(ctx)
+        cap = box.config.max_output_bytes if max_output_bytes is None else max_output_bytes
+        argv = [
+            "/bin/sh",
+            "-c",
+            SHIM,
+            SHIM_NAME,
+            "0" if stdin is None else "1",
+            *self._drop_argv(box),
+            *self._argv(box, command),
+        ]
+        if box.cgroup is not None and box.cgroup.support.version == 1:
+            # Per-exec peak: v1 lets us reset the high-water mark.
+            mem = box.cgroup.dirs.get("memory")
+            if mem is not None:
+                with contextlib.suppress(OSError):
+                    (mem / "memory.max_usage_in_bytes").write_text("0")
+        cpu_before = box.cgroup.cpu_time_s() if box.cgroup is not None else None
+        start = time.monotonic()
+        try:
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=box.workspace,
+                env=self._env(box, env),
+                start_new_session=True,
+                close_fds=True,
+            )
+        except OSError as exc:
+            raise DriverError(f"cannot start sandbox process: {exc}") from exc
+        assert proc.stdin is not None
+        with box.lock:
+            box.procs[proc.pid] = proc
+        try:
+            try:
+                for res, value in self._rlimits(box):
+                    resource.prlimit(proc.pid, res, (value, value))
+                if box.cgroup is not None:
+                    box.cgroup.add(proc.pid)
+                os.write(proc.stdin.fileno(), b"go\n")
+            except OSError as exc:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                raise DriverError(f"cannot confine sandbox process: {exc}") from exc
+            return self._communicate(
+                box,
+                proc,
+                start=start,
+                timeout_s=timeout_s,
+                idle_timeout_s=idle_timeout_s,
+                stdin=stdin,
+                on_stdout=on_stdout,
+                on_stderr=on_stderr,
+                cap=cap,
+                cpu_before=cpu_before,
+            )
+        finally:
+            with box.lock:
+                box.procs.pop(proc.pid, None)
+            for stream in (proc.stdin, proc.stdout, proc.stderr):
+                if stream is not None:
+                    with contextlib.suppress(OSError):
+                        stream.close()
+
+    def _kill_exec(self, box: _Box, proc: subprocess.Popen[bytes]) -> None:
+        # The leader's pid is the process group id (start_new_session); never getpgid()
+        # after it may have been reaped.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        if box.bwrap_path is None and box.cgroup is not None:
+            # Without a pid namespace, a setsid grandchild is only reachable by cgroup.
+            box.cgroup.kill_all()
+
+    def _communicate(
+        self,
+        box: _Box,
+        proc: subprocess.Popen[bytes],
+        *,
+        start: float,
+        timeout_s: float | None,
+        idle_timeout_s: float | None,
+        stdin: bytes | None,
+        on_stdout: OutputCallback | None,
+        on_stderr: OutputCallback | None,
+        cap: int,
+        cpu_before: float | None,
+    ) -> ExecResult:
+        assert proc.stdout is not None and proc.stderr is not None
+        captures = {"out": HeadTailCapture(cap), "err": HeadTailCapture(cap)}
+        callbacks = {"out": on_stdout, "err": on_stderr}
+        sel = selectors.DefaultSelector()
+        sel.register(proc.stdout.fileno(), selectors.EVENT_READ, "out")
+        sel.register(proc.stderr.fileno(), selectors.EVENT_READ, "err")
+        open_streams = 2
+        pidfd: int | None = None
+        try:
+            pidfd = os.pidfd_open(proc.pid)
+            sel.register(pidfd, selectors.EVENT_READ, "exit")
+        except (AttributeError, OSError):
+            pidfd = None
+        stdin_view = memoryview(stdin) if stdin is not None else None
+        if proc.stdin is not None:
+            if stdin_view is not None and len(stdin_view):
+                os.set_blocking(proc.stdin.fileno(), False)
+                sel.register(proc.stdin.fileno(), selectors.EVENT_WRITE, "in")
+            else:
+                proc.stdin.close()
+        deadline = None if timeout_s is None else start + timeout_s
+        last_output = start
+        exited_at: float | None = None
+        killed_at: float | None = None
+        timed_out = idle_timed_out = False
+        next_sample = start + SAMPLE_INTERVAL_S
+        status: int | None = None
+        rusage: resource.struct_rusage | None = None
+
+        def reap(block: bool) -> bool:
+            nonlocal status, rusage
+            if status is not None:
+                return True
+            try:
+                pid, st, ru = os.wait4(proc.pid, 0 if block else os.WNOHANG)
+            except ChildProcessError:
+                status = 0
+                return True
+            if pid == 0:
+                return False
+            status, rusage = st, ru
+            proc.returncode = os.waitstatus_to_exitcode(st)
+            return True
+
+        try:
+            while True:
+                now = time.monotonic()
+                if exited_at is None and (pidfd is None or killed_at is not None) and reap(False):
+                    exited_at = now
+                if exited_at is not None and open_streams == 0:
+                    break
+                if exited_at is not None and now - exited_at > EXIT_DRAIN_GRACE_S:
+                    break  # a grandchild holds the pipes; the command itself is done
+                if killed_at is not None and now - killed_at > KILL_DRAIN_GRACE_S:
+                    break
+                if killed_at is None:
+                    if deadline is not None and now >= deadline:
+                        timed_out = True
+                    elif idle_timeout_s is not None and now - last_output >= idle_timeout_s:
+                        idle_timed_out = True
+                    if timed_out or idle_timed_out:
+                        self._kill_exec(box, proc)
+                        killed_at = now
+                        continue
+                if now >= next_sample:
+                    self._sample_processes(box, proc)
+                    next_sample = now + SAMPLE_INTERVAL_S
+                waits = [next_sample - now]
+                if killed_at is None:
+                    if deadline is not None:
+                        waits.append(deadline - now)
+                    if idle_timeout_s is not None:
+                        waits.append(last_output + idle_timeout_s - now)
+                if pidfd is None or killed_at is not None:
+                    waits.append(NO_PIDFD_POLL_S)
+                if exited_at is not None:
+                    waits.append(exited_at + EXIT_DRAIN_GRACE_S - now)
+                for key, _mask in sel.select(max(0.0, min(waits))):
+                    tag = key.data
+                    if tag == "exit":
+                        sel.unregister(key.fd)
+                        reap(True)
+                        exited_at = time.monotonic()
+                    elif tag == "in":
+                        assert stdin_view is not None and proc.stdin is not None
+                        try:
+                            n = os.write(key.fd, stdin_view[:READ_CHUNK])
+                            stdin_view = stdin_view[n:]
+                        except BlockingIOError:
+                            continue
+                        except (BrokenPipeError, OSError):
+                            stdin_view = stdin_view[:0]
+                        if not len(stdin_view):
+                            sel.unregister(key.fd)
+                            with contextlib.suppress(OSError):
+                                proc.stdin.close()
+                    else:
+                        try:
+                            chunk = os.read(key.fd, READ_CHUNK)
+                        except OSError:
+                            chunk = b""
+                        if not chunk:
+                            sel.unregister(key.fd)
+                            open_streams -= 1
+                            continue
+                        last_output = time.monotonic()
+                        captures[tag].feed(chunk)
+                        cb = callbacks[tag]
+                        if cb is not None:
+                            try:
+                                cb(chunk)
+                            except Exception:
+                                logger.exception("output callback failed")
+        finally:
+            sel.close()
+            if pidfd is not None:
+                os.close(pidfd)
+            if status is None and not reap(False):
+                self._kill_exec(box, proc)
+                reap(True)
+        end = time.monotonic()
+        assert status is not None
+        code, signaled = _exit_code_from_status(status)
+        sig = _signal_from_code(code, signaled, box.bwrap_path is not None)
+        self._sample_processes(box, proc)
+        return ExecResult(
+            exit_code=code,
+            stdout=captures["out"].result(),
+            stderr=captures["err"].result(),
+            duration_s=end - start,
+            timed_out=timed_out,
+            idle_timed_out=idle_timed_out,
+            signal=sig,
+            resources=self._usage(box, rusage, end - start, cpu_before),
+        )
+
+    def _sample_processes(self, box: _Box, proc: subprocess.Popen[bytes]) -> None:
+        n: int | None = None
+        if box.cgroup is not None:
+            n = box.cgroup.pids_current()
+        if n is None:
+            n = _count_session(proc.pid)
+        if n is not None and n > box.peak_processes:
+            box.peak_processes = n
+
+    def _usage(
+        self,
+        box: _Box,
+        rusage: resource.struct_rusage | None,
+        wall_s: float,
+        cpu_before: float | None,
+    ) -> ResourceUsage:
+        cpu: float | None = None
+        peak_mem: int | None = None
+        if box.cgroup is not None:
+            c = box.cgroup.counters()
+            if c.cpu_time_s is not None and cpu_before is not None:
+                cpu = max(0.0, c.cpu_time_s - cpu_before)
+            peak_mem = c.peak_memory_bytes
+            if c.pids_peak is not None:  # pids.peak (Linux 6.1+): exact, not sampled
+                box.peak_processes = max(box.peak_processes, c.pids_peak)
+        if rusage is not None:
+            # Through bwrap's pid namespace, what its init reaps never reaches our rusage:
+            # an honest "unknown" beats a number that misses the whole task.
+            if cpu is None and box.bwrap_path is None:
+                cpu = rusage.ru_utime + rusage.ru_stime
+            if peak_mem is None:
+                peak_mem = rusage.ru_maxrss * 1024  # Linux reports KiB
+        # The shim and bwrap count as processes of the sandbox while they run.
+        peak = max(box.peak_processes, 1)
+        return ResourceUsage(
+            cpu_time_s=cpu, peak_memory_bytes=peak_mem, peak_processes=peak, wall_time_s=wall_s
+        )
+
+    # -- observe / stop ---------------------------------------------------------------
+    def get_metrics(self, ctx: SandboxContext) -> SandboxMetrics:
+        box = self._box(ctx)
+        counters = box.cgroup.counters() if box.cgroup is not None else None
+        procs = counters.pids_current if counters is not None else None
+        if procs is None:
+            with box.lock:
+                leaders = list(box.procs)
+            procs = sum(_count_session(pid) or 0 for pid in leaders)
+        box.peak_processes = max(box.peak_processes, procs)
+        file_count: int | None = None
+        disk: int | None = None
+        inodes_free: int | None = None
+        disk_free: int | None = None
+        if box.mounted:
+            usage = mounts.inode_usage(box.workspace)
+            if usage is not None:
+                file_count = max(0, usage[0] - 1)  # minus the tmpfs root itself
+            disk = mounts.bytes_used(box.workspace)
+            free = mounts.free_space(box.workspace)
+            if free is not None:
+                inodes_free, disk_free = free
+        scan = box.scanner.scan(need_count=file_count is None) if box.scanner else None
+        if scan is not None:
+            if file_count is None:
+                file_count = scan.file_count
+            if disk is None:
+                disk = scan.total_bytes
+        return SandboxMetrics(
+            sandbox_id=box.id,
+            timestamp=time.monotonic(),
+            process_count=procs,
+            memory_bytes=counters.memory_bytes if counters else None,
+            peak_memory_bytes=counters.peak_memory_bytes if counters else None,
+            cpu_time_s=counters.cpu_time_s if counters else None,
+            file_count=file_count,
+            directory_depth=scan.max_depth if scan else None,
+            largest_file_bytes=scan.largest_file_bytes if scan else None,
+            disk_bytes=disk,
+            inodes_free=inodes_free,
+            disk_free_bytes=disk_free,
+            pids_limit_hits=counters.pids_limit_hits if counters else None,
+            oom_kills=counters.oom_kills if counters else None,
+            running=self._running(box),
+        )
+
+    def _running(self, box: _Box) -> bool:
+        if box.cgroup is not None and box.cgroup.pids():
+            return True
+        with box.lock:
+            return any(p.poll() is None for p in box.procs.values())
+
+    def is_running(self, ctx: SandboxContext) -> bool:
+        with self._lock:
+            box = self._boxes.get(ctx.id)
+        return box is not None and self._running(box)
+
+    def force_stop(self, ctx: SandboxContext) -> None:
+        """SIGKILL every process of the sandbox; the workspace stays until ``destroy``."""
+        with self._lock:
+            box = self._boxes.get(ctx.id)
+        if box is None:
+            return
+        with box.lock:
+            leaders = list(box.procs)
+        for pid in leaders:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+        if box.cgroup is not None:
+            box.cgroup.kill_all()
+
+    # -- destroy --------------------------------------------------------------------------
+    def destroy(self, ctx: SandboxContext) -> None:
+        with self._lock:
+            box = self._boxes.pop(ctx.id, None)
+        if box is not None:
+            with box.lock:
+                procs = list(box.procs.values())
+            for p in procs:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(p.pid, signal.SIGKILL)
+        leftovers = self._destroy_resources(
+            ctx.id, ctx.workspace, box.cgroup if box is not None else None
+        )
+        if leftovers:
+            logger.warning("sandbox %s: could not remove %s", ctx.id, "; ".join(leftovers))
+            # Keep the lease but hand it to nobody, so the next reaper retries.
+            self.leases.write(Lease(ctx.id, self.name, Owner(0, None, ""), str(ctx.workspace)))
+        else:
+            self.leases.remove(ctx.id)
+
+    def _destroy_resources(
+        self, sandbox_id: str, workspace: Path, cgroup: SandboxCgroup | None = None
+    ) -> list[str]:
+        """Remove by id whatever exists; ``cgroup`` narrows the search when we know it."""
+        left: list[str] = []
+        support = self.host.cgroup
+        if cgroup is not None:
+            left += cgroup.remove()
+        elif support.available:
+            left += SandboxCgroup.from_paths(support, sandbox_id).remove()
+        if workspace.exists() or workspace.is_symlink():
+            if mounts.is_mountpoint(workspace):
+                try:
+                    mounts.unmount(workspace)
+                except OSError as exc:
+                    left.append(str(exc))
+            left += _remove_tree(workspace)
+        return left
+
+    def reap_orphans(self) -> list[str]:
+        """Destroy sandboxes whose owner died; also lease-less leftovers past the grace."""
+        reaped: list[str] = []
+        for sandbox_id, lease in self.leases.orphans():
+            if lease is not None and lease.driver != self.name:
+                continue
+            workspace = (
+                Path(lease.workspace)
+                if lease is not None
+                else self.workspace_root / f"{WORKSPACE_PREFIX}{sandbox_id}"
+            )
+            if not self._destroy_resources(sandbox_id, workspace):
+                self.leases.remove(sandbox_id)
+                reaped.append(sandbox_id)
+        leased = {sid for sid, _ in self.leases.all()}
+        with self._lock:
+            mine = set(self._boxes)
+        candidates: set[str] = set()
+        if self.host.cgroup.available:
+            candidates |= list_sandbox_cgroups(self.host.cgroup)
+        with contextlib.suppress(OSError):
+            for p in self.workspace_root.iterdir():
+                if p.name.startswith(WORKSPACE_PREFIX) and p.is_dir() and not p.is_symlink():
+                    candidates.add(p.name[len(WORKSPACE_PREFIX) :])
+        now = time.time()
+        for sandbox_id in sorted(candidates - leased - mine):
+            workspace = self.workspace_root / f"{WORKSPACE_PREFIX}{sandbox_id}"
+            if _age_s(workspace, now) < LEASE_GRACE_S:
+                continue
+            if not self._destroy_resources(sandbox_id, workspace):
+                reaped.append(sandbox_id)
+        return reaped
+
+
+def _age_s(path: Path, now: float) -> float:
+    try:
+        return now - path.lstat().st_mtime
+    except OSError:
+        return float("inf")
+
+
+def _remove_tree(path: Path) -> list[str]:
+    errors: list[str] = []
+
+    def onexc(_func: object, p: str, exc: BaseException) -> None:
+        # A task may leave a directory mode 000; as the same (non-root) uid we may fix it.
+        parent = Path(p).parent
+        with contextlib.suppress(OSError):
+            parent.chmod(0o700)
+        try:
+            if Path(p).is_dir() and not Path(p).is_symlink():
+                Path(p).chmod(0o700)
+                shutil.rmtree(p)
+            else:
+                Path(p).unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as again:
+            errors.append(f"{p}: {again.strerror or exc}")
+
+    if path.is_symlink():
+        path.unlink()
+        return errors
+    shutil.rmtree(path, onerror=lambda f, p, e: onexc(f, p, e[1]))
+    if path.exists():
+        errors.append(f"{path}: still present")
+    return errors
+
+
+def _count_session(sid: int) -> int | None:
+    """Processes in session ``sid`` (the exec's leader); the no-cgroup fallback count."""
+    try:
+        import psutil  # noqa: PLC0415 - only needed on hosts without a pids cgroup
+    except ImportError:
+        return None
+    n = 0
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, OSError):
+            if os.getsid(p.pid) == sid:
+                n += 1
+    return n

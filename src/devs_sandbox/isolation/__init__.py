@@ -1,0 +1,76 @@
+"""Host isolation mechanisms, probed once per process: cgroups, bubblewrap, tmpfs, rlimits.
+
+``probe_host`` is what ``devs-sandbox doctor`` prints and what the process driver
+consults before each provision: for every mechanism, whether it works here and,
+if not, why not.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import resource
+import shutil
+from dataclasses import dataclass
+
+from devs_sandbox.isolation import bwrap, cgroups, mounts
+
+NOBODY_UID = 65534
+NOBODY_GID = 65534
+
+
+@functools.cache
+def _setpriv() -> str | None:
+    return shutil.which("setpriv")
+
+
+def drop_privileges_argv(uid: int, gid: int) -> list[str]:
+    """setpriv (util-linux) switching to ``uid``: run after the parent has set the shim's
+    rlimits (same uid, so no CAP_SYS_RESOURCE needed) and before bwrap. It sets
+    no_new_privs, so setuid binaries on the host cannot lift the sandbox back to root."""
+    setpriv = _setpriv()
+    if setpriv is None:
+        return []
+    return [
+        setpriv,
+        f"--reuid={uid}",
+        f"--regid={gid}",
+        "--clear-groups",
+        "--no-new-privs",
+        "--inh-caps=-all",
+        "--bounding-set=-all",
+        "--",
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class HostSupport:
+    euid: int
+    cgroup: cgroups.CgroupSupport
+    bwrap_root: bwrap.BwrapSupport
+    tmpfs: tuple[bool, str]
+    rlimits: tuple[bool, str]
+
+    def bwrap_for(self, uid: int) -> bwrap.BwrapSupport:
+        """bwrap as root works differently from bwrap as an unprivileged uid (user ns)."""
+        if uid == self.euid:
+            return self.bwrap_root
+        return bwrap.probe(tuple(drop_privileges_argv(uid, uid)))
+
+
+def _rlimits() -> tuple[bool, str]:
+    if not hasattr(resource, "prlimit"):
+        return False, "resource.prlimit unavailable on this platform"
+    return True, ""
+
+
+@functools.cache
+def probe_host() -> HostSupport:
+    euid = os.geteuid()
+    return HostSupport(
+        euid=euid,
+        cgroup=cgroups.detect(),
+        bwrap_root=bwrap.probe(),
+        tmpfs=mounts.can_mount(),
+        rlimits=_rlimits(),
+    )

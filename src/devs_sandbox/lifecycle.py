@@ -1,0 +1,478 @@
+"""The lifecycle: one fresh sandbox per run, limits watched, destroyed on every exit path.
+
+Data flows one way: config -> this manager -> driver -> monitors (timeout
+enforcer, drain detector) -> event bus -> store. The manager owns each sandbox
+it opens; monitors only report and terminate through the driver, the manager
+decides what the run's outcome is and always destroys.
+
+Exit paths covered by ``run_in_sandbox``'s ``finally``: success, non-zero exit,
+preflight failure, quota violation, total timeout, idle timeout, cancellation
+(``cancel`` or asyncio cancellation of ``arun_in_sandbox``), KeyboardInterrupt,
+and a failure of our own. ``Sandbox.destroy`` is guarded, so a second call (from
+a timer, a signal handler, the MCP server's shutdown) is a no-op.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Final, Literal
+
+from devs_sandbox.base import OutputCallback, SandboxDriver
+from devs_sandbox.config import DevsConfig, SandboxLifecycleConfig, default_db_path, override
+from devs_sandbox.drivers import create_driver
+from devs_sandbox.errors import (
+    DiskQuotaExceededError,
+    QuotaExceededError,
+    SandboxCancelledError,
+    SandboxNotFoundError,
+    SandboxPreFlightError,
+    SandboxTimeoutError,
+)
+from devs_sandbox.events import EventBus, SandboxEvents
+from devs_sandbox.models import (
+    DetectionRule,
+    ExecResult,
+    SandboxContext,
+    SandboxOutcome,
+    Violation,
+    ViolationType,
+    new_sandbox_id,
+)
+from devs_sandbox.monitor.drain import ResourceDrainDetector
+from devs_sandbox.store import ViolationStore
+from devs_sandbox.timeout import SandboxTimeoutEnforcer
+
+logger = logging.getLogger(__name__)
+
+Task = str | Sequence[str] | Callable[["Sandbox"], ExecResult]
+CANCEL_JOIN_S: Final = 10.0  # after a cancel kill, the run thread returns in ms; bound it
+
+
+def _argv(command: str | Sequence[str]) -> list[str]:
+    if isinstance(command, str):
+        if not command.strip():
+            raise ValueError("command must not be empty")
+        return ["/bin/sh", "-c", command]
+    argv = list(command)
+    if not argv:
+        raise ValueError("command must not be empty")
+    return argv
+
+
+class Sandbox:
+    """A live sandbox owned by a manager: exec in it, inspect it, destroy it (idempotent)."""
+
+    def __init__(
+        self,
+        manager: SandboxLifecycleManager,
+        driver: SandboxDriver,
+        ctx: SandboxContext,
+        config: SandboxLifecycleConfig,
+    ) -> None:
+        self.manager = manager
+        self.driver = driver
+        self.context = ctx
+        self.config = config
+        self.opened_at = time.monotonic()
+        self.last_activity = self.opened_at
+        self._destroyed = False
+        self._destroy_lock = threading.Lock()
+        self.cancelled = False
+
+    @property
+    def id(self) -> str:
+        return self.context.id
+
+    @property
+    def isolation(self) -> tuple[str, ...]:
+        return self.context.isolation
+
+    @property
+    def workspace(self) -> Path:
+        return self.context.workspace
+
+    @property
+    def destroyed(self) -> bool:
+        return self._destroyed
+
+    @property
+    def timed_out(self) -> bool:
+        return self.manager.enforcer.fired(self.id)
+
+    @property
+    def violation(self) -> Violation | None:
+        return self.manager.detector.violation_for(self.id)
+
+    def remaining_s(self) -> float:
+        return self.config.timeout_ms / 1000 - (time.monotonic() - self.opened_at)
+
+    def exec(
+        self,
+        command: str | Sequence[str],
+        *,
+        timeout_s: float | None = None,
+        idle_timeout_s: float | None = None,
+        stdin: bytes | None = None,
+        env: Mapping[str, str] | None = None,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+        max_output_bytes: int | None = None,
+    ) -> ExecResult:
+        """Run one command in this sandbox's workspace (a str goes through ``sh -c``)."""
+        if self._destroyed:
+            raise SandboxNotFoundError(self.id)
+        if timeout_s is not None and timeout_s <= 0:
+            raise ValueError("timeout_s must be positive")
+        self.last_activity = time.monotonic()
+        try:
+            return self.driver.exec(
+                self.context,
+                _argv(command),
+                timeout_s=timeout_s,
+                idle_timeout_s=idle_timeout_s,
+                stdin=stdin,
+                env=env,
+                on_stdout=on_stdout,
+                on_stderr=on_stderr,
+                max_output_bytes=max_output_bytes,
+            )
+        finally:
+            self.last_activity = time.monotonic()
+
+    def kill(self) -> None:
+        """SIGKILL every process of the sandbox (what the timeout enforcer calls)."""
+        self.driver.force_stop(self.context)
+
+    def destroy(self) -> None:
+        with self._destroy_lock:
+            if self._destroyed:
+                return
+            self._destroyed = True
+        try:
+            self.manager.enforcer.clear(self.id)
+            self.manager.detector.forget(self.id)
+        finally:
+            try:
+                self.driver.destroy(self.context)
+            finally:
+                self.manager._forget(self)
+                self.manager.bus.emit(SandboxEvents.DESTROYED, {"sandbox_id": self.id})
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.destroy()
+
+
+# REQ: 8_RISKS-REQ-123
+# REQ: 1_PRD-REQ-SEC-010
+class SandboxLifecycleManager:
+    """Opens sandboxes through the configured driver and runs tasks in them."""
+
+    def __init__(
+        self,
+        driver: SandboxDriver | None = None,
+        *,
+        config: DevsConfig | None = None,
+        bus: EventBus | None = None,
+        store: ViolationStore | Literal["default"] | None = "default",
+        enforcer: SandboxTimeoutEnforcer | None = None,
+        detector: ResourceDrainDetector | None = None,
+        reap_orphans: bool = True,
+    ) -> None:
+        self.config = config or DevsConfig()
+        self.bus = bus or EventBus()
+        if store == "default":
+            store = ViolationStore(self.config.store.path or default_db_path())
+        self.store = store
+        if self.store is not None:
+            self.store.attach(self.bus)
+        self.enforcer = enforcer or SandboxTimeoutEnforcer(
+            self.config.sandbox.timeout_ms, bus=self.bus
+        )
+        if self.enforcer.bus is None:
+            self.enforcer.bus = self.bus
+        self.detector = detector or ResourceDrainDetector(bus=self.bus)
+        self._drivers: dict[str, SandboxDriver] = {}
+        if driver is not None:
+            self._drivers[driver.name] = driver
+        self._fixed_driver = driver
+        self._reap = reap_orphans
+        self._reaped: set[str] = set()
+        self._live: dict[str, Sandbox] = {}
+        self._lock = threading.Lock()
+
+    # -- drivers ------------------------------------------------------------------------
+    def driver_for(self, config: SandboxLifecycleConfig) -> SandboxDriver:
+        if self._fixed_driver is not None:
+            return self._fixed_driver
+        with self._lock:
+            driver = self._drivers.get(config.driver)
+            if driver is None:
+                driver = create_driver(config.driver, emit=self.bus.emit)
+                self._drivers[config.driver] = driver
+        return driver
+
+    def reap_orphans(self, driver: SandboxDriver | None = None) -> list[str]:
+        """Destroy sandboxes left by dead processes (what ``devs-sandbox cleanup`` runs)."""
+        drivers = [driver] if driver is not None else list(self._drivers.values())
+        reaped: list[str] = []
+        for d in drivers:
+            try:
+                ids = d.reap_orphans()
+            except Exception:
+                logger.exception("reaping orphans of the %s driver failed", d.name)
+                continue
+            for sandbox_id in ids:
+                self.bus.emit(
+                    SandboxEvents.ORPHAN_REAPED, {"sandbox_id": sandbox_id, "driver": d.name}
+                )
+            reaped += ids
+        return reaped
+
+    def _reap_once(self, driver: SandboxDriver) -> None:
+        if not self._reap or driver.name in self._reaped:
+            return
+        self._reaped.add(driver.name)
+        reaped = self.reap_orphans(driver)
+        if reaped:
+            logger.info("reaped %d orphaned sandbox(es): %s", len(reaped), ", ".join(reaped))
+
+    # -- sandboxes ----------------------------------------------------------------------
+    def open_sandbox(self, config: SandboxLifecycleConfig | None = None) -> Sandbox:
+        """Provision a fresh sandbox, arm its total timeout and start its drain detector."""
+        cfg = config or self.config.sandbox
+        driver = self.driver_for(cfg)
+        self._reap_once(driver)
+        ctx = driver.provision(cfg)
+        sandbox = Sandbox(self, driver, ctx, cfg)
+        with self._lock:
+            self._live[ctx.id] = sandbox
+        try:
+            self.enforcer.watch(sandbox, ctx.id, cfg.timeout_ms)
+            self.detector.register(ctx, cfg.quotas, driver)
+            self.detector.start_polling(ctx.id, cfg.quotas.poll_interval_ms)
+            self.bus.emit(
+                SandboxEvents.CREATED,
+                {"sandbox_id": ctx.id, "driver": ctx.driver, "isolation": list(ctx.isolation)},
+            )
+        except BaseException:
+            sandbox.destroy()
+            raise
+        return sandbox
+
+    def _forget(self, sandbox: Sandbox) -> None:
+        with self._lock:
+            if self._live.get(sandbox.id) is sandbox:
+                del self._live[sandbox.id]
+
+    def get(self, sandbox_id: str) -> Sandbox:
+        with self._lock:
+            sandbox = self._live.get(sandbox_id)
+        if sandbox is None:
+            raise SandboxNotFoundError(sandbox_id)
+        return sandbox
+
+    def live_sandboxes(self) -> list[Sandbox]:
+        with self._lock:
+            return list(self._live.values())
+
+    def cancel(self, sandbox_id: str) -> bool:
+        """Kill a running sandbox on behalf of its caller; its run raises SandboxCancelledError."""
+        with self._lock:
+            sandbox = self._live.get(sandbox_id)
+        if sandbox is None:
+            return False
+        sandbox.cancelled = True
+        sandbox.kill()
+        return True
+
+    def shutdown(self) -> None:
+        """Destroy every live sandbox (server stop, interpreter exit)."""
+        for sandbox in self.live_sandboxes():
+            try:
+                sandbox.destroy()
+            except Exception:
+                logger.exception("destroying sandbox %s at shutdown failed", sandbox.id)
+        if self.store is not None:
+            self.store.close()
+
+    # -- runs ---------------------------------------------------------------------------
+    def run_in_sandbox(
+        self,
+        task: Task,
+        config: SandboxLifecycleConfig | None = None,
+        *,
+        stdin: bytes | None = None,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+    ) -> SandboxOutcome:
+        """Run ``task`` in a fresh sandbox and destroy it, whatever happens.
+
+        Returns the outcome when the task ran to its own end (any exit status);
+        raises ``SandboxPreFlightError``, ``SandboxTimeoutError``,
+        ``QuotaExceededError`` or ``SandboxCancelledError`` (each with ``.outcome``)
+        when the sandbox cut it short.
+        """
+        cfg = config or self.config.sandbox
+        sandbox = self.open_sandbox(cfg)
+        preflight: list[ExecResult] = []
+        try:
+            self._preflight(sandbox, cfg, preflight)
+            idle = None if cfg.idle_timeout_ms is None else cfg.idle_timeout_ms / 1000
+            if callable(task):
+                result = task(sandbox)
+            else:
+                result = sandbox.exec(
+                    task,
+                    idle_timeout_s=idle,
+                    stdin=stdin,
+                    on_stdout=on_stdout,
+                    on_stderr=on_stderr,
+                )
+            if result.idle_timed_out:
+                self.bus.emit(
+                    SandboxEvents.IDLE_TIMEOUT,
+                    {"sandbox_id": sandbox.id, "idle_timeout_ms": cfg.idle_timeout_ms},
+                )
+            return self._conclude(sandbox, cfg, result, tuple(preflight))
+        finally:
+            sandbox.destroy()
+
+    def _preflight(
+        self, sandbox: Sandbox, cfg: SandboxLifecycleConfig, results: list[ExecResult]
+    ) -> None:
+        if not cfg.preflight_commands:
+            return
+        budget_end = time.monotonic() + cfg.preflight_timeout_ms / 1000
+        for command in cfg.preflight_commands:
+            remaining = budget_end - time.monotonic()
+            if remaining <= 0:
+                self._preflight_failed(
+                    sandbox, command, None, "preflight budget exhausted (preflightTimeoutMs)"
+                )
+            result = sandbox.exec(command, timeout_s=remaining)
+            results.append(result)
+            if sandbox.timed_out or sandbox.violation is not None or sandbox.cancelled:
+                # The whole run was cut short during preflight: report that, not the command.
+                self._conclude(sandbox, cfg, result, tuple(results))
+            if result.timed_out:
+                self._preflight_failed(
+                    sandbox,
+                    command,
+                    result,
+                    f"preflight command timed out after {cfg.preflight_timeout_ms} ms "
+                    "(preflightTimeoutMs)",
+                )
+            if result.exit_code != 0:
+                self._preflight_failed(
+                    sandbox, command, result, f"preflight command exited {result.exit_code}"
+                )
+
+    def _preflight_failed(
+        self, sandbox: Sandbox, command: str, result: ExecResult | None, why: str
+    ) -> None:
+        self.bus.emit(
+            SandboxEvents.PREFLIGHT_FAILED,
+            {
+                "sandbox_id": sandbox.id,
+                "command": command,
+                "exit_code": None if result is None else result.exit_code,
+            },
+        )
+        raise SandboxPreFlightError(f"{why}: {command}", command=command, result=result)
+
+    def _final_violation(self, sandbox: Sandbox, result: ExecResult) -> Violation | None:
+        """After the task: anything the kernel stopped between two polls is recorded now."""
+        v = sandbox.violation
+        if v is not None:
+            return v
+        cfg = sandbox.config
+        if result.signal == signal.SIGXFSZ:
+            self.detector.enforce_quota(
+                Violation(
+                    sandbox.id,
+                    ViolationType.FILE_SIZE_EXCEEDED,
+                    cfg.quotas.max_file_size_bytes + 1,
+                    cfg.quotas.max_file_size_bytes,
+                    DetectionRule.KERNEL,
+                    "a write past RLIMIT_FSIZE raised SIGXFSZ",
+                )
+            )
+            return sandbox.violation
+        try:
+            metrics = sandbox.driver.get_metrics(sandbox.context)
+        except Exception:
+            logger.exception("final sample of sandbox %s failed", sandbox.id)
+            return None
+        verdict = self.detector.evaluate(sandbox.id, metrics, growth=False)
+        if verdict.violated:
+            self.detector.enforce_quota(verdict)
+        return sandbox.violation
+
+    def _conclude(
+        self,
+        sandbox: Sandbox,
+        cfg: SandboxLifecycleConfig,
+        result: ExecResult,
+        preflight: tuple[ExecResult, ...],
+    ) -> SandboxOutcome:
+        timed_out = sandbox.timed_out or result.timed_out or result.idle_timed_out
+        violation = (
+            None if timed_out or sandbox.cancelled else self._final_violation(sandbox, result)
+        )
+        self.detector.stop_polling(sandbox.id)
+        outcome = SandboxOutcome(
+            sandbox_id=sandbox.id,
+            driver=sandbox.context.driver,
+            isolation=sandbox.isolation,
+            result=result,
+            violation=violation,
+            timed_out=timed_out,
+            cancelled=sandbox.cancelled,
+            preflight=preflight,
+        )
+        if sandbox.cancelled:
+            raise SandboxCancelledError(f"sandbox {sandbox.id} was cancelled", outcome)
+        if timed_out:
+            idle = result.idle_timed_out and not sandbox.timed_out
+            ms = cfg.idle_timeout_ms if idle and cfg.idle_timeout_ms else cfg.timeout_ms
+            raise SandboxTimeoutError(ms, outcome, idle=idle)
+        if violation is not None:
+            if violation.type == ViolationType.DISK_QUOTA_EXCEEDED:
+                raise DiskQuotaExceededError(violation, outcome)
+            raise QuotaExceededError(violation, outcome)
+        return outcome
+
+    async def arun_in_sandbox(
+        self,
+        task: Task,
+        config: SandboxLifecycleConfig | None = None,
+        **kwargs: Any,
+    ) -> SandboxOutcome:
+        """Async edge: the run happens on a worker thread; cancelling this coroutine kills and
+        destroys the sandbox before the CancelledError propagates."""
+        cfg = config or self.config.sandbox
+        if cfg.sandbox_id is None:
+            cfg = override(cfg, sandbox_id=new_sandbox_id())
+        assert cfg.sandbox_id is not None
+        sandbox_id = cfg.sandbox_id
+        future = asyncio.ensure_future(asyncio.to_thread(self.run_in_sandbox, task, cfg, **kwargs))
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            # The run may still be provisioning: keep cancelling until it is gone.
+            deadline = time.monotonic() + CANCEL_JOIN_S
+            while not future.done() and time.monotonic() < deadline:
+                self.cancel(sandbox_id)
+                with contextlib.suppress(BaseException):
+                    await asyncio.wait_for(asyncio.shield(future), 0.05)
+            raise

@@ -1,0 +1,146 @@
+"""Shared fixtures: capability probes, an isolated store, and a session-end leak check.
+
+Tests that need a host feature carry a marker (cgroups, bwrap, tmpfs, docker, root).
+Where the host lacks the feature they skip with the reason; with
+DEVS_SANDBOX_REQUIRE_ALL=1 (set by CI, whose host has them all) such a skip
+becomes a failure, so a broken CI host cannot silently skip the security tests.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+_SESSION_DIR = Path(tempfile.mkdtemp(prefix="devs-test-session."))
+# Every CLI subprocess and every default manager of the test run writes here.
+os.environ["DEVS_SANDBOX_DB"] = str(_SESSION_DIR / "violations.db")
+os.environ.setdefault("XDG_DATA_HOME", str(_SESSION_DIR / "xdg"))
+
+REQUIRE_ALL = os.environ.get("DEVS_SANDBOX_REQUIRE_ALL") == "1"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _capabilities() -> dict[str, str]:
+    """Marker -> "" when the host has it, else the reason it does not."""
+    from devs_sandbox.isolation import probe_host
+    from devs_sandbox.isolation.mounts import can_mount
+
+    host = probe_host()
+    caps: dict[str, str] = {}
+    caps["root"] = "" if os.geteuid() == 0 else "needs root"
+    caps["cgroups"] = "" if host.cgroup.available else f"no usable cgroup: {host.cgroup.reason}"
+    caps["bwrap"] = (
+        "" if host.bwrap_root.works else f"bubblewrap unusable: {host.bwrap_root.reason}"
+    )
+    ok, why = can_mount()
+    caps["tmpfs"] = "" if ok else why
+    caps["docker"] = _docker_reason()
+    caps["cgroup_v2"] = (
+        ""
+        if host.cgroup.version == 2
+        else ("host runs sandboxes on cgroup v1 (v2 offers no memory/pids controllers here)")
+    )
+    return caps
+
+
+def _docker_reason() -> str:
+    try:
+        import docker
+    except ImportError:
+        return "docker SDK not installed"
+    try:
+        client = docker.from_env(timeout=5)
+        client.ping()
+        client.close()
+    except Exception as exc:
+        return f"no Docker engine: {exc}"
+    return ""
+
+
+_CAPS: dict[str, str] = {}
+# Markers whose absence on a REQUIRE_ALL host is a CI failure, not a skip.
+_REQUIRED_ON_CI = {"root", "cgroups", "bwrap", "tmpfs", "docker"}
+
+
+def caps() -> dict[str, str]:
+    if not _CAPS:
+        _CAPS.update(_capabilities())
+    return _CAPS
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    for name in ("root", "cgroups", "bwrap", "tmpfs", "docker", "cgroup_v2"):
+        if item.get_closest_marker(name) is None:
+            continue
+        reason = caps().get(name, "")
+        if not reason:
+            continue
+        if REQUIRE_ALL and name in _REQUIRED_ON_CI:
+            pytest.fail(f"DEVS_SANDBOX_REQUIRE_ALL=1 but {name} unavailable: {reason}")
+        pytest.skip(reason)
+
+
+# -- leak check -------------------------------------------------------------------------
+def _leftovers() -> set[str]:
+    found: set[str] = set()
+    tmp = Path(tempfile.gettempdir())
+    for p in tmp.glob("devs-sandbox-*"):
+        found.add(f"workspace {p}")
+    for ctrl in Path("/sys/fs/cgroup").glob("*/devs-sandbox/*"):
+        if ctrl.is_dir():
+            found.add(f"cgroup {ctrl}")
+    for ctrl in Path("/sys/fs/cgroup").glob("devs-sandbox/*"):
+        if ctrl.is_dir():
+            found.add(f"cgroup {ctrl}")
+    try:
+        for line in Path("/proc/self/mountinfo").read_text().splitlines():
+            if " - tmpfs devs-sandbox " in line:
+                found.add(f"mount {line.split()[4]}")
+    except OSError:
+        pass
+    for lease in tmp.glob("devs-sandbox.leases-*/*.json"):
+        found.add(f"lease {lease}")
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_leftovers() -> Iterator[None]:
+    """Fail the session if any sandbox resource outlives the tests that made it."""
+    before = _leftovers()
+    yield
+    after = _leftovers() - before
+    assert not after, f"sandbox resources left behind: {sorted(after)}"
+
+
+# -- helpers ----------------------------------------------------------------------------
+@pytest.fixture
+def db_path(tmp_path: Path) -> Path:
+    return tmp_path / "violations.db"
+
+
+def run_cli(
+    *args: str,
+    input: bytes | None = None,
+    timeout: float = 120,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """The real command, as a user runs it (``python -m devs_sandbox``), no stdin."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "devs_sandbox", *args],
+        input=input.decode() if input is not None else None,
+        stdin=None if input is not None else subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
+        cwd=cwd,
+        check=False,
+    )

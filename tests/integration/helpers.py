@@ -1,0 +1,52 @@
+"""Helpers for tests that run real sandboxes on this host."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from devs_sandbox.config import SandboxLifecycleConfig, override
+from devs_sandbox.lifecycle import SandboxLifecycleManager
+from devs_sandbox.store import ViolationStore
+
+
+def config(**kw: Any) -> SandboxLifecycleConfig:
+    return override(SandboxLifecycleConfig(), **kw)
+
+
+def manager(db: Path | None = None) -> SandboxLifecycleManager:
+    return SandboxLifecycleManager(store=ViolationStore(db) if db else None)
+
+
+def processes_with(marker: str) -> list[psutil.Process]:
+    """Host processes whose argv[0] starts with ``marker`` (set with ``exec -a``), so the
+    shell or CLI that merely mentions the marker in its arguments does not count."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            argv = p.info["cmdline"] or ()
+            if argv and argv[0].startswith(marker):
+                found.append(p)
+        except psutil.Error:
+            continue
+    return found
+
+
+def wait_for(predicate: Any, timeout: float = 10.0, interval: float = 0.02) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())
+
+
+# Every combination of layers this host can offer, for "each layer alone kills everything".
+LAYERS = {
+    "full": {},
+    "cgroup-only": {"use_bwrap": False},
+    "pidns-only": {"use_cgroups": False},
+}

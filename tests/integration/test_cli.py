@@ -1,0 +1,312 @@
+"""The CLI contract, exercised as a user runs it: real process, no stdin."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from devs_sandbox.store import ViolationStore
+from tests.conftest import run_cli
+from tests.integration.helpers import processes_with, wait_for
+
+pytestmark = pytest.mark.integration
+JSON_KEYS = {
+    "sandbox_id",
+    "driver",
+    "isolation",
+    "exit_code",
+    "stdout",
+    "stderr",
+    "stdout_truncated",
+    "stderr_truncated",
+    "duration_s",
+    "timed_out",
+    "resources",
+    "violation",
+}
+
+
+def test_run_json_prints_the_contract() -> None:
+    r = run_cli("run", "--json", "--", "python3", "-c", "print(1)")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert set(out) >= JSON_KEYS
+    assert out["stdout"] == "1\n" and out["exit_code"] == 0 and out["driver"] == "process"
+    assert out["violation"] is None and out["timed_out"] is False
+    assert set(out["resources"]) == {"cpu_time_s", "peak_memory_bytes", "peak_processes"}
+    assert "rlimits" in out["isolation"]
+
+
+def test_module_entry_point_and_version() -> None:
+    r = run_cli("--version")
+    assert r.returncode == 0 and "devs-sandbox" in r.stdout
+
+
+def test_exit_status_is_the_commands() -> None:
+    assert run_cli("run", "--", "sh", "-c", "exit 7").returncode == 7
+
+
+def test_output_streams_to_our_own_without_json() -> None:
+    r = run_cli("run", "--", "sh", "-c", "echo out; echo err >&2")
+    assert r.stdout == "out\n" and r.stderr == "err\n"
+
+
+def test_output_streams_as_it_comes_not_after_the_end() -> None:
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "devs_sandbox",
+            "run",
+            "--",
+            "sh",
+            "-c",
+            "echo first; sleep 3; echo second",
+        ],
+        stdout=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.stdout is not None
+    start = time.monotonic()
+    first = proc.stdout.readline()
+    elapsed = time.monotonic() - start
+    rest = proc.stdout.read()
+    proc.wait(30)
+    assert first == b"first\n" and rest == b"second\n"
+    assert elapsed < 2.5, f"first line took {elapsed:.2f}s: output was buffered to the end"
+
+
+def test_timeout_exits_124_with_one_line() -> None:
+    r = run_cli("run", "--timeout", "1", "--", "sleep", "30")
+    assert r.returncode == 124
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "timed out" in lines[0] and "--timeout" in lines[0]
+
+
+def test_timeout_json() -> None:
+    r = run_cli("run", "--json", "--timeout", "0.5", "--", "sleep", "30")
+    out = json.loads(r.stdout)
+    assert r.returncode == 124 and out["exit_code"] == 124 and out["timed_out"] is True
+
+
+@pytest.mark.cgroups
+def test_memory_violation_exits_137_and_is_listed(tmp_path: Path) -> None:
+    db = tmp_path / "v.db"
+    r = run_cli(
+        "run",
+        "--json",
+        "--db",
+        str(db),
+        "--memory",
+        "48m",
+        "--",
+        "python3",
+        "-c",
+        "x = bytearray(200 * 1024 * 1024)",
+    )
+    assert r.returncode == 137, r.stderr
+    out = json.loads(r.stdout)
+    assert out["violation"]["type"] == "MEMORY_EXCEEDED"
+    assert out["violation"]["limit_value"] == 48 * 1024 * 1024
+    assert "MEMORY_EXCEEDED" in r.stderr
+    listed = run_cli("violations", "--db", str(db), "--json")
+    rows = json.loads(listed.stdout)
+    assert len(rows) == 1 and rows[0]["sandbox_id"] == out["sandbox_id"]
+    assert set(rows[0]) >= {
+        "violation_id",
+        "sandbox_id",
+        "violation_type",
+        "observed_value",
+        "limit_value",
+        "terminated_at",
+    }
+    table = run_cli("violations", "--db", str(db))
+    assert "MEMORY_EXCEEDED" in table.stdout
+    only = run_cli("violations", "--db", str(db), "--sandbox-id", "nope", "--json")
+    assert json.loads(only.stdout) == []
+
+
+@pytest.mark.cgroups
+def test_fork_bomb_exits_137(tmp_path: Path) -> None:
+    db = tmp_path / "v.db"
+    r = run_cli(
+        "run",
+        "--db",
+        str(db),
+        "--max-processes",
+        "32",
+        "--poll-interval",
+        "200",
+        "--",
+        "sh",
+        "-c",
+        "while :; do sleep 100 & done",
+    )
+    assert r.returncode == 137
+    assert "PROCESS_COUNT_EXCEEDED" in r.stderr
+    assert ViolationStore(db).count() == 1
+
+
+def test_db_from_environment_variable(tmp_path: Path) -> None:
+    db = tmp_path / "env.db"
+    r = run_cli("violations", "--json", env={"DEVS_SANDBOX_DB": str(db)})
+    assert r.returncode == 0 and json.loads(r.stdout) == []
+    assert db.exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["run", "--sandbox-id", "../../etc", "--", "true"], "invalid sandbox id"),
+        (["run", "--sandbox-id", "x" * 65, "--", "true"], "invalid sandbox id"),
+        (["run", "--memory", "-5m", "--", "true"], "--memory"),
+        (["run", "--memory", "lots", "--", "true"], "invalid size"),
+        (["run", "--timeout", "0", "--", "true"], "--timeout"),
+        (["run", "--max-processes", "abc", "--", "true"], "--max-processes"),
+        (["run", "--no-such-option", "--", "true"], "unrecognized arguments"),
+        (["run", "--env", "NOEQUALS", "--", "true"], "KEY=VALUE"),
+        (["run"], "missing COMMAND"),
+        (["run", "--driver", "vm", "--", "true"], "invalid choice"),
+        (["run", "--config", "/nonexistent/devs.json", "--", "true"], "config file not found"),
+        (["run", "--strict", "--require", "warp-drive", "--", "true"], "warp-drive"),
+    ],
+)
+def test_bad_input_is_one_line_and_125(args: list[str], needle: str) -> None:
+    r = run_cli(*args)
+    assert r.returncode == 125, (r.returncode, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert needle in lines[0]
+    assert "Traceback" not in r.stderr
+
+
+def test_malformed_config_names_the_key(tmp_path: Path) -> None:
+    cfg = tmp_path / "devs.config.json"
+    cfg.write_text(json.dumps({"sandbox": {"quotas": {"processCountLimit": "many"}}}))
+    r = run_cli("run", "--config", str(cfg), "--", "true")
+    assert r.returncode == 125
+    assert "sandbox.quotas.processCountLimit" in r.stderr
+    implicit = run_cli("run", "--", "true", cwd=tmp_path)
+    assert implicit.returncode == 125 and "processCountLimit" in implicit.stderr
+
+
+def test_preflight_failure_is_125_and_the_task_never_runs(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    r = run_cli(
+        "run",
+        "--network",
+        "--preflight",
+        "true",
+        "--preflight",
+        "echo nope >&2; exit 4",
+        "--",
+        "sh",
+        "-c",
+        f"echo ran > {marker}",
+    )
+    assert r.returncode == 125
+    assert "preflight" in r.stderr and "exit" in r.stderr
+    assert not marker.exists()
+
+
+def test_config_schema_and_show(tmp_path: Path) -> None:
+    schema = json.loads(run_cli("config", "schema").stdout)
+    assert schema["title"] == "devs.config.json"
+    (tmp_path / "devs.config.json").write_text(json.dumps({"sandbox": {"timeoutMs": 1234}}))
+    shown = json.loads(run_cli("config", "show", cwd=tmp_path).stdout)
+    assert shown["sandbox"]["timeoutMs"] == 1234
+    assert shown["sandbox"]["quotas"]["fileCountLimit"] == 10_000
+
+
+def test_doctor_reports_every_mechanism() -> None:
+    r = run_cli("doctor", "--json")
+    assert r.returncode == 0
+    report = json.loads(r.stdout)
+    assert set(report["mechanisms"]) >= {
+        "rlimits",
+        "cgroup",
+        "pid-namespace",
+        "mount-namespace",
+        "net-namespace",
+        "tmpfs-workspace",
+        "unprivileged-user",
+    }
+    for info in report["mechanisms"].values():
+        assert info["available"] or info["reason"]
+    human = run_cli("doctor")
+    assert "cgroup" in human.stdout and "rlimits" in human.stdout
+
+
+def test_sigterm_to_the_cli_destroys_the_sandbox() -> None:
+    marker = f"devs-test-{uuid.uuid4().hex}"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "devs_sandbox",
+            "run",
+            "--",
+            "bash",
+            "-c",
+            f"exec -a {marker} sleep 300",
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert wait_for(lambda: processes_with(marker), 15)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(30)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert wait_for(lambda: not processes_with(marker), 5)
+
+
+def test_a_crashed_owner_is_reaped_by_cleanup_and_on_next_start() -> None:
+    for command in (["cleanup"], ["run", "--", "true"]):
+        marker = f"devs-test-{uuid.uuid4().hex}"
+        owner = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "devs_sandbox",
+                "run",
+                "--",
+                "bash",
+                "-c",
+                f"exec -a {marker} sleep 300",
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        assert wait_for(lambda m=marker: processes_with(m), 15)
+        leases = list(Path("/tmp").glob("devs-sandbox.leases-*/*.json"))
+        workspaces = set(Path("/tmp").glob("devs-sandbox-*"))
+        owner.send_signal(signal.SIGKILL)  # no finally, no destroy: a crash
+        owner.wait(10)
+        assert leases and workspaces
+        r = run_cli(*command)
+        assert r.returncode == 0, r.stderr
+        if command == ["cleanup"]:
+            assert "reaped process sandbox" in r.stdout
+        assert wait_for(lambda m=marker: not processes_with(m), 5)
+        for ws in workspaces:
+            assert not ws.exists()
+
+
+def test_stdin_option_feeds_the_command(tmp_path: Path) -> None:
+    data = tmp_path / "in.txt"
+    data.write_text("from a file\n")
+    r = run_cli("run", "--stdin", str(data), "--", "cat")
+    assert r.stdout == "from a file\n"
+    piped = run_cli("run", "--stdin", "-", "--", "cat", input=b"piped\n")
+    assert piped.stdout == "piped\n"
+    default = run_cli("run", "--", "cat")
+    assert default.stdout == "" and default.returncode == 0

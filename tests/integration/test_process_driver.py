@@ -1,0 +1,398 @@
+"""The process driver on this host, with real processes: isolation, kill, caps, capture."""
+
+from __future__ import annotations
+
+import os
+import resource
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from devs_sandbox.drivers.process import ProcessDriver
+from devs_sandbox.errors import (
+    IsolationUnavailableError,
+    QuotaExceededError,
+    SandboxTimeoutError,
+)
+from devs_sandbox.store import ViolationStore
+from tests.integration.helpers import LAYERS, config, manager, processes_with, wait_for
+
+pytestmark = pytest.mark.integration
+PY = "/usr/bin/python3" if Path("/usr/bin/python3").exists() else "python3"
+
+
+def test_runs_a_command_and_reports_everything() -> None:
+    out = manager().run_in_sandbox([PY, "-c", "print(6 * 7)"], config())
+    assert out.exit_code == 0
+    assert out.result.stdout.text == "42\n"
+    assert out.isolation[0] == "rlimits"
+    r = out.result.resources
+    assert r.cpu_time_s is not None and r.cpu_time_s >= 0
+    assert r.peak_memory_bytes and r.peak_memory_bytes > 1 << 20
+    assert r.peak_processes and r.peak_processes >= 1
+    assert r.wall_time_s > 0
+
+
+@pytest.mark.root
+@pytest.mark.cgroups
+@pytest.mark.bwrap
+@pytest.mark.tmpfs
+def test_full_isolation_is_in_effect_as_root() -> None:
+    out = manager().run_in_sandbox(["true"], config())
+    assert set(out.isolation) >= {
+        "rlimits",
+        "pid-namespace",
+        "mount-namespace",
+        "net-namespace",
+        "tmpfs-workspace",
+        "unprivileged-user",
+    }
+    assert any(m.startswith("cgroup-v") for m in out.isolation)
+
+
+def test_exit_status_and_signals_pass_through() -> None:
+    m = manager()
+    assert m.run_in_sandbox("exit 3", config()).exit_code == 3
+    killed = m.run_in_sandbox("kill -TERM $$", config())
+    assert killed.exit_code == 128 + 15 and killed.result.signal == 15
+
+
+def test_host_environment_is_not_inherited(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DEVS_TEST_HOST_SECRET", "s3cr3t-value")
+    out = manager().run_in_sandbox(
+        [PY, "-c", "import os,json; print(json.dumps(dict(os.environ)))"],
+        config(env={"EXPLICIT": "yes"}),
+    )
+    import json
+
+    env = json.loads(out.result.stdout.text)
+    assert "DEVS_TEST_HOST_SECRET" not in env
+    assert "s3cr3t-value" not in out.result.stdout.text
+    assert env["EXPLICIT"] == "yes"
+    assert set(env) <= {
+        "PATH",
+        "HOME",
+        "LANG",
+        "TERM",
+        "TMPDIR",
+        "DEVS_SANDBOX_ID",
+        "PWD",
+        "EXPLICIT",
+    }
+    assert env["HOME"].startswith(os.path.join(os.path.realpath("/tmp"), "devs-sandbox-")) or env[
+        "HOME"
+    ].startswith("/tmp/devs-sandbox-")
+
+
+def test_each_run_gets_a_fresh_workspace_that_is_removed() -> None:
+    m = manager()
+    first = m.run_in_sandbox("pwd; echo data > left-behind; ls", config())
+    second = m.run_in_sandbox("pwd; ls -A", config())
+    ws1, ws2 = first.result.stdout.text.split()[0], second.result.stdout.text.split()[0]
+    assert ws1 != ws2
+    assert second.result.stdout.text.split()[1:] == []
+    assert not Path(ws1).exists() and not Path(ws2).exists()
+
+
+def test_stdin_is_dev_null_unless_given() -> None:
+    m = manager()
+    start = time.monotonic()
+    out = m.run_in_sandbox([PY, "-c", "input('password: ')"], config(timeout_ms=30_000))
+    assert out.exit_code == 1 and "EOFError" in out.result.stderr.text
+    assert time.monotonic() - start < 20
+    given = m.run_in_sandbox(["cat"], config(), stdin=b"fed\n" * 50_000)
+    assert given.result.stdout.text == "fed\n" * 50_000
+
+
+@pytest.mark.parametrize("layer", list(LAYERS))
+def test_timeout_kills_every_process_including_setsid_grandchildren(layer: str) -> None:
+    marker = f"devs-test-{uuid.uuid4().hex}"
+    script = (
+        f"setsid bash -c 'exec -a {marker} sleep 1000' & "
+        f"(bash -c 'exec -a {marker}-double sleep 1000' &) ; "
+        f"exec -a {marker}-main sleep 1000"
+    )
+    m = manager()
+    cfg = config(timeout_ms=1500, isolation=LAYERS[layer])
+    holder: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            m.run_in_sandbox(["bash", "-c", script], cfg)
+        except SandboxTimeoutError as exc:
+            holder["error"] = exc
+
+    t = threading.Thread(target=run)
+    t.start()
+    assert wait_for(lambda: len(processes_with(marker)) >= 3, 10), "sandbox never started"
+    t.join(30)
+    assert isinstance(holder.get("error"), SandboxTimeoutError)
+    err = holder["error"]
+    assert err.outcome is not None and err.outcome.exit_code == 124  # type: ignore[attr-defined]
+    assert wait_for(lambda: not processes_with(marker), 5), processes_with(marker)
+
+
+def test_idle_timeout_kills_a_silent_run() -> None:
+    start = time.monotonic()
+    with pytest.raises(SandboxTimeoutError) as info:
+        manager().run_in_sandbox("echo started; sleep 30", config(idle_timeout_ms=500))
+    assert info.value.idle
+    assert time.monotonic() - start < 10
+    assert info.value.outcome is not None
+    assert info.value.outcome.result.stdout.text == "started\n"
+
+
+@pytest.mark.cgroups
+def test_memory_cap_is_enforced_by_the_kernel_and_recorded(db_path: Path) -> None:
+    with pytest.raises(QuotaExceededError) as info:
+        manager(db_path).run_in_sandbox(
+            [PY, "-c", "b = bytearray(256 * 1024 * 1024); print('survived')"],
+            config(quotas={"memory_bytes": 64 << 20}),
+        )
+    v = info.value.violation
+    assert v.type == "MEMORY_EXCEEDED" and v.limit_value == 64 << 20 and v.rule == "kernel"
+    assert info.value.outcome is not None and info.value.outcome.exit_code == 137
+    assert "survived" not in info.value.outcome.result.stdout.text
+    rows = ViolationStore(db_path).list()
+    assert [r["violation_type"] for r in rows] == ["MEMORY_EXCEEDED"]
+
+
+@pytest.mark.cgroups
+def test_process_cap_is_enforced_by_the_kernel_and_recorded(db_path: Path) -> None:
+    bomb = (
+        "import os, time\n"
+        "kids = 0\n"
+        "for i in range(400):\n"
+        "    try:\n"
+        "        if os.fork() == 0:\n"
+        "            time.sleep(60); os._exit(0)\n"
+        "        kids += 1\n"
+        "    except OSError:\n"
+        "        break\n"
+        "print('forked', kids, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    start = time.monotonic()
+    with pytest.raises(QuotaExceededError) as info:
+        manager(db_path).run_in_sandbox(
+            [PY, "-c", bomb], config(quotas={"process_count_limit": 64, "poll_interval_ms": 200})
+        )
+    assert time.monotonic() - start < 20
+    v = info.value.violation
+    assert v.type == "PROCESS_COUNT_EXCEEDED" and v.limit_value == 64 and v.rule == "kernel"
+    forked = int(info.value.outcome.result.stdout.text.split()[1])  # type: ignore[union-attr]
+    assert forked < 64
+    assert ViolationStore(db_path).count() == 1
+
+
+def test_output_is_capped_head_and_tail_kept() -> None:
+    script = "print('FIRST'); import sys; sys.stdout.write('x' * (3 << 20)); print('LAST')"
+    out = manager().run_in_sandbox([PY, "-c", script], config(max_output_bytes=1 << 20))
+    s = out.result.stdout
+    assert s.truncated and s.text.startswith("FIRST")
+    assert s.text.rstrip().endswith("LAST")
+    assert s.total_bytes == len("FIRST\n") + (3 << 20) + len("LAST\n")
+    assert s.dropped_bytes == s.total_bytes - (1 << 20)
+    assert not out.result.stderr.truncated
+
+
+def test_an_output_flood_does_not_grow_the_callers_memory(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import resource, sys\n"
+        "from devs_sandbox import SandboxLifecycleManager, SandboxLifecycleConfig\n"
+        "m = SandboxLifecycleManager(store=None)\n"
+        "cmd = sys.argv[1]\n"
+        "m.run_in_sandbox(['sh', '-c', cmd], SandboxLifecycleConfig())\n"
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+    )
+
+    def peak_kib(cmd: str) -> int:
+        r = subprocess.run(
+            [sys.executable, str(probe), cmd],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=120,
+        )
+        return int(r.stdout.split()[-1])
+
+    baseline = peak_kib("true")
+    flooded = peak_kib("head -c 67108864 /dev/zero; head -c 67108864 /dev/zero >&2")
+    assert flooded - baseline < 16 * 1024, (baseline, flooded)  # 128 MiB flood, < 16 MiB growth
+
+
+@pytest.mark.bwrap
+def test_no_network_unless_asked() -> None:
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    port = server.getsockname()[1]
+    probe = (
+        "import socket,sys\n"
+        "s = socket.socket(); s.settimeout(3)\n"
+        f"try:\n    s.connect(('127.0.0.1', {port})); print('connected')\n"
+        "except OSError as e:\n    print('refused', e)\n"
+    )
+    try:
+        m = manager()
+        closed = m.run_in_sandbox([PY, "-c", probe], config())
+        assert closed.result.stdout.text.startswith("refused")
+        assert "net-namespace" in closed.isolation
+        opened = m.run_in_sandbox([PY, "-c", probe], config(network=True))
+        assert opened.result.stdout.text.startswith("connected")
+        assert "net-namespace" not in opened.isolation
+    finally:
+        server.close()
+
+
+@pytest.mark.bwrap
+def test_mount_isolation_host_read_only_home_hidden(tmp_path: Path) -> None:
+    home_secret = Path("/root/.devs-test-secret") if os.geteuid() == 0 else Path.home() / ".devs-t"
+    home_secret.write_text("top secret")
+    outside = tmp_path / "outside.txt"
+    try:
+        script = (
+            f"cat {home_secret} 2>&1; echo rc=$?; "
+            f"touch {outside} 2>&1; echo rc=$?; touch /etc/devs-test 2>&1; echo rc=$?; "
+            "touch ./inside && echo inside-ok; ls /tmp | wc -l"
+        )
+        out = manager().run_in_sandbox(["sh", "-c", script], config())
+        text = out.result.stdout.text
+        assert "top secret" not in text
+        assert text.count("rc=1") >= 3, text
+        assert "inside-ok" in text
+        assert not outside.exists()
+        assert not Path("/etc/devs-test").exists()
+    finally:
+        home_secret.unlink()
+
+
+@pytest.mark.bwrap
+def test_pid_namespace_hides_host_processes() -> None:
+    out = manager().run_in_sandbox("ls /proc | grep -c '^[0-9]'", config())
+    assert int(out.result.stdout.text) < 10
+
+
+def test_strict_refuses_when_a_required_mechanism_is_missing() -> None:
+    cfg = config(isolation={"use_bwrap": False, "required": ("pid-namespace",)})
+    with pytest.raises(IsolationUnavailableError, match="pid-namespace"):
+        manager().run_in_sandbox(["true"], cfg)
+
+
+@pytest.mark.root
+def test_sandbox_runs_as_nobody_when_we_are_root() -> None:
+    out = manager().run_in_sandbox("id -u; cat /etc/shadow >/dev/null 2>&1; echo $?", config())
+    uid, shadow_rc = out.result.stdout.text.split()
+    assert uid == "65534" and shadow_rc != "0"
+
+
+@pytest.mark.tmpfs
+def test_workspace_tmpfs_holds_the_file_count_and_records_it(db_path: Path) -> None:
+    script = (
+        "i=0; while [ $i -lt 200 ]; do touch f$i 2>/dev/null || break; i=$((i+1)); done; echo $i"
+    )
+    with pytest.raises(QuotaExceededError) as info:
+        manager(db_path).run_in_sandbox(
+            ["sh", "-c", script],
+            config(quotas={"file_count_limit": 50, "poll_interval_ms": 60_000}),
+        )
+    # The kernel stopped the 51st file; the poll never ran; the record came from statvfs.
+    assert info.value.outcome is not None
+    assert info.value.outcome.result.stdout.text.split() == ["50"]
+    v = info.value.violation
+    assert (v.type, v.rule, v.limit_value) == ("FILE_COUNT_EXCEEDED", "kernel", 50)
+    assert ViolationStore(db_path).count() == 1
+
+
+@pytest.mark.tmpfs
+def test_workspace_tmpfs_holds_the_disk_quota(db_path: Path) -> None:
+    from devs_sandbox.errors import DiskQuotaExceededError
+
+    with pytest.raises(DiskQuotaExceededError) as info:
+        manager(db_path).run_in_sandbox(
+            "head -c 5000000 /dev/zero > big; echo rc=$?; ls -l big",
+            config(quotas={"disk_bytes": 2 << 20, "poll_interval_ms": 60_000}),
+        )
+    assert info.value.outcome is not None
+    assert "rc=1" in info.value.outcome.result.stdout.text
+    assert info.value.violation.type == "DISK_QUOTA_EXCEEDED"
+
+
+def test_rlimit_fsize_stops_a_huge_file_and_is_recorded(db_path: Path) -> None:
+    with pytest.raises(QuotaExceededError) as info:
+        manager(db_path).run_in_sandbox(
+            "head -c 50000000 /dev/zero > big; echo after",
+            config(quotas={"max_file_size_bytes": 10_000_000, "poll_interval_ms": 60_000}),
+        )
+    assert info.value.violation.type == "FILE_SIZE_EXCEEDED"
+    assert ViolationStore(db_path).count() == 1
+
+
+def test_copy_in_seeds_the_workspace(tmp_path: Path) -> None:
+    src = tmp_path / "seed"
+    (src / "sub").mkdir(parents=True)
+    (src / "sub" / "a.txt").write_text("seeded")
+    out = manager().run_in_sandbox("cat sub/a.txt; echo more >> sub/a.txt", config(copy_in=src))
+    assert out.result.stdout.text == "seeded"
+    assert (src / "sub" / "a.txt").read_text() == "seeded"  # the original is untouched
+
+
+def test_destroy_is_idempotent_and_leaves_nothing() -> None:
+    driver = ProcessDriver()
+    ctx = driver.provision(config())
+    driver.exec(ctx, ["sh", "-c", "sleep 100 & echo started"], timeout_s=10)
+    assert ctx.workspace.exists()
+    driver.destroy(ctx)
+    driver.destroy(ctx)
+    assert not ctx.workspace.exists()
+    assert not driver.leases.path_for(ctx.id).exists()
+    for path in ctx.labels.get("cgroup", "").split(","):
+        if path:
+            assert not Path(path).exists()
+
+
+def test_destroy_after_a_partial_provision(tmp_path: Path) -> None:
+    driver = ProcessDriver()
+    with pytest.raises(Exception, match="copy-in"):
+        driver.provision(config(sandbox_id="partial-1", copy_in=tmp_path / "missing"))
+    # Nothing of it survived the failed provision, and a second destroy is harmless.
+    assert not (driver.workspace_root / "devs-sandbox-partial-1").exists()
+    assert not driver.leases.path_for("partial-1").exists()
+
+
+def test_exec_timeout_kills_only_that_exec() -> None:
+    m = manager()
+    with m.open_sandbox(config()) as sb:
+        start = time.monotonic()
+        r = sb.exec("sleep 30", timeout_s=0.5)
+        assert r.timed_out and time.monotonic() - start < 10
+        again = sb.exec("echo still-alive")
+        assert again.result if False else again.stdout.text == "still-alive\n"
+
+
+def test_multi_step_session_files_persist() -> None:
+    with manager().open_sandbox(config()) as sb:
+        sb.exec("echo one > notes.txt")
+        sb.exec("echo two >> notes.txt")
+        assert sb.exec(["cat", "notes.txt"]).stdout.text == "one\ntwo\n"
+
+
+def test_resource_usage_counts_children_cpu() -> None:
+    out = manager().run_in_sandbox(
+        [
+            PY,
+            "-c",
+            "import subprocess; subprocess.run(['" + PY + "', '-c', 'sum(range(3*10**7))'])",
+        ],
+        config(),
+    )
+    assert out.result.resources.cpu_time_s is not None
+    assert out.result.resources.cpu_time_s > 0.2
+    assert resource.getrusage(resource.RUSAGE_SELF)  # the test itself is not charged

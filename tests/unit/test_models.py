@@ -1,0 +1,70 @@
+"""Sandbox ids: what is allowed, and what a crafted id cannot become."""
+
+from __future__ import annotations
+
+import pytest
+
+from devs_sandbox.errors import InvalidSandboxIdError, SandboxCommandError
+from devs_sandbox.models import (
+    CapturedStream,
+    ExecResult,
+    SandboxOutcome,
+    Violation,
+    ViolationType,
+    new_sandbox_id,
+    validate_sandbox_id,
+)
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize("good", ["sb-1", "A.b_c-9", "x" * 64, new_sandbox_id()])
+def test_valid_ids(good: str) -> None:
+    assert validate_sandbox_id(good) == good
+
+
+@pytest.mark.parametrize(
+    "bad", ["", "x" * 65, "../etc", "a/b", "a b", ".", "..", "x'); DROP TABLE t;--", "é", "a\n"]
+)
+def test_invalid_ids(bad: str) -> None:
+    with pytest.raises(InvalidSandboxIdError, match="invalid sandbox id"):
+        validate_sandbox_id(bad)
+
+
+def result(code: int) -> ExecResult:
+    return ExecResult(code, CapturedStream("o"), CapturedStream("e"), 0.5)
+
+
+def test_outcome_exit_codes_follow_timeout1() -> None:
+    assert SandboxOutcome("s", "process", (), result(3)).exit_code == 3
+    assert SandboxOutcome("s", "process", (), result(137), timed_out=True).exit_code == 124
+    viol = Violation("s", ViolationType.MEMORY_EXCEEDED, 2, 1)
+    assert SandboxOutcome("s", "process", (), result(137), violation=viol).exit_code == 137
+
+
+def test_raise_for_status_is_opt_in() -> None:
+    ok = SandboxOutcome("s", "process", (), result(0))
+    assert ok.raise_for_status() is ok
+    with pytest.raises(SandboxCommandError) as info:
+        SandboxOutcome("s", "process", (), result(2)).raise_for_status()
+    assert info.value.outcome is not None
+
+
+def test_json_contract_keys() -> None:
+    out = SandboxOutcome("s", "process", ("rlimits",), result(0)).to_json()
+    for key in (
+        "sandbox_id",
+        "driver",
+        "isolation",
+        "exit_code",
+        "stdout",
+        "stderr",
+        "stdout_truncated",
+        "stderr_truncated",
+        "duration_s",
+        "timed_out",
+        "resources",
+        "violation",
+    ):
+        assert key in out
+    assert set(out["resources"]) == {"cpu_time_s", "peak_memory_bytes", "peak_processes"}

@@ -1,0 +1,129 @@
+"""The SQLite store: schema, migrations, injection-shaped ids, concurrent writers."""
+
+from __future__ import annotations
+
+import multiprocessing
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from devs_sandbox.errors import StoreError
+from devs_sandbox.events import EventBus, SandboxEvents
+from devs_sandbox.models import DetectionRule, Violation, ViolationType
+from devs_sandbox.store import COLUMNS, SCHEMA_VERSION, ViolationStore
+
+pytestmark = pytest.mark.unit
+
+
+def v(
+    sandbox_id: str = "sb-1", kind: ViolationType = ViolationType.FILE_COUNT_EXCEEDED
+) -> Violation:
+    return Violation(sandbox_id, kind, 10_001, 10_000, DetectionRule.GROWTH, "detail")
+
+
+def test_table_has_the_specified_columns(db_path: Path) -> None:
+    with ViolationStore(db_path) as store:
+        store.record(v())
+        assert store.schema_version() == SCHEMA_VERSION
+    conn = sqlite3.connect(db_path)
+    cols = [r[1] for r in conn.execute("PRAGMA table_info(sandbox_violations)")]
+    pk = [r[1] for r in conn.execute("PRAGMA table_info(sandbox_violations)") if r[5]]
+    assert cols[:6] == [
+        "violation_id",
+        "sandbox_id",
+        "violation_type",
+        "observed_value",
+        "limit_value",
+        "terminated_at",
+    ]
+    assert pk == ["violation_id"]
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_record_and_list(db_path: Path) -> None:
+    with ViolationStore(db_path) as store:
+        first = v("a")
+        store.record(first)
+        store.record(first)  # same id: ignored
+        store.record(v("b", ViolationType.PROCESS_COUNT_EXCEEDED))
+        rows = store.list()
+        assert store.count() == 2
+        assert {r["sandbox_id"] for r in rows} == {"a", "b"}
+        assert set(rows[0]) == set(COLUMNS)
+        only_a = store.list(sandbox_id="a")
+        assert len(only_a) == 1 and only_a[0]["violation_type"] == "FILE_COUNT_EXCEEDED"
+        assert only_a[0]["rule"] == "growth"
+        assert len(store.list(limit=1)) == 1
+
+
+def test_injection_shaped_sandbox_id_is_stored_verbatim(db_path: Path) -> None:
+    evil = "x'); DROP TABLE sandbox_violations;--"
+    with ViolationStore(db_path) as store:
+        store.record(v(evil))
+        assert store.list(sandbox_id=evil)[0]["sandbox_id"] == evil
+        assert store.count() == 1
+
+
+def test_migrates_a_version_1_database(db_path: Path) -> None:
+    conn = sqlite3.connect(db_path)
+    conn.execute(
+        "CREATE TABLE sandbox_violations (violation_id TEXT PRIMARY KEY, sandbox_id TEXT NOT NULL,"
+        " violation_type TEXT NOT NULL, observed_value INTEGER NOT NULL, limit_value INTEGER NOT"
+        " NULL, terminated_at TEXT NOT NULL)"
+    )
+    conn.execute(
+        "INSERT INTO sandbox_violations VALUES ('old', 's', 'FILE_COUNT_EXCEEDED', 2, 1, 't')"
+    )
+    conn.execute("PRAGMA user_version = 1")
+    conn.commit()
+    conn.close()
+    with ViolationStore(db_path) as store:
+        rows = store.list()
+        assert store.schema_version() == SCHEMA_VERSION
+    assert rows[0]["violation_id"] == "old" and rows[0]["rule"] == "threshold"
+
+
+def test_refuses_a_newer_schema(db_path: Path) -> None:
+    conn = sqlite3.connect(db_path)
+    conn.execute("PRAGMA user_version = 99")
+    conn.commit()
+    conn.close()
+    with pytest.raises(StoreError, match="newer"), ViolationStore(db_path) as store:
+        store.count()
+
+
+def test_unwritable_path_is_a_store_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(StoreError):
+        ViolationStore(blocker / "sub" / "db").record(v())
+
+
+def test_attach_records_violation_events_only(db_path: Path) -> None:
+    bus = EventBus()
+    with ViolationStore(db_path) as store:
+        store.attach(bus)
+        bus.emit(SandboxEvents.VIOLATION, {"violation": v("z")})
+        bus.emit(SandboxEvents.VIOLATION, {"violation": "not a violation"})
+        bus.emit(SandboxEvents.TIMEOUT, {"sandbox_id": "z"})
+        assert store.count() == 1
+
+
+def _writer(path: str, worker: int, n: int) -> None:
+    store = ViolationStore(path)
+    for i in range(n):
+        store.record(v(f"w{worker}-{i}"))
+    store.close()
+
+
+def test_concurrent_writers_from_several_processes_lose_nothing(db_path: Path) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_writer, args=(str(db_path), w, 60)) for w in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    with ViolationStore(db_path) as store:
+        assert store.count() == 240
