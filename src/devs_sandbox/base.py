@@ -17,6 +17,9 @@ if TYPE_CHECKING:
     from devs_sandbox.models import ExecResult, SandboxContext, SandboxMetrics
 
 OutputCallback = Callable[[bytes], None]
+# Called once with the host pid of the exec's leader process, right after it was confined
+# and released (for observers such as run_shell_monitored that sample its process tree).
+StartCallback = Callable[[int], None]
 Emit = Callable[[str, dict[str, Any]], Any]
 
 
@@ -41,6 +44,7 @@ class SandboxDriver(Protocol):
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
         max_output_bytes: int | None = None,
+        on_start: StartCallback | None = None,
     ) -> ExecResult: ...
 
     def get_metrics(self, ctx: SandboxContext) -> SandboxMetrics: ...

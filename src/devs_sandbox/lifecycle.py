@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, Literal
 
-from devs_sandbox.base import OutputCallback, SandboxDriver
+from devs_sandbox.base import OutputCallback, SandboxDriver, StartCallback
 from devs_sandbox.config import DevsConfig, SandboxLifecycleConfig, default_db_path, override
 from devs_sandbox.drivers import create_driver
 from devs_sandbox.errors import (
@@ -124,6 +124,7 @@ class Sandbox:
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
         max_output_bytes: int | None = None,
+        on_start: StartCallback | None = None,
     ) -> ExecResult:
         """Run one command in this sandbox's workspace (a str goes through ``sh -c``)."""
         if self._destroyed:
@@ -142,6 +143,7 @@ class Sandbox:
                 on_stdout=on_stdout,
                 on_stderr=on_stderr,
                 max_output_bytes=max_output_bytes,
+                on_start=on_start,
             )
         finally:
             self.last_activity = time.monotonic()

@@ -396,3 +396,16 @@ def test_resource_usage_counts_children_cpu() -> None:
     assert out.result.resources.cpu_time_s is not None
     assert out.result.resources.cpu_time_s > 0.2
     assert resource.getrusage(resource.RUSAGE_SELF)  # the test itself is not charged
+
+
+def test_on_start_reports_the_host_pid_of_the_exec() -> None:
+    import psutil
+
+    seen: list[int] = []
+    with manager().open_sandbox(config()) as sb:
+        r = sb.exec(
+            "sleep 0.3; echo done",
+            on_start=lambda pid: seen.append(len(psutil.Process(pid).children(recursive=True))),
+        )
+    assert r.stdout.text == "done\n"
+    assert len(seen) == 1

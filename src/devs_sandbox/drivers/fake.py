@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from devs_sandbox.base import OutputCallback
+from devs_sandbox.base import OutputCallback, StartCallback
 from devs_sandbox.config import SandboxLifecycleConfig
 from devs_sandbox.errors import ProvisionError, SandboxNotFoundError
 from devs_sandbox.models import (
@@ -58,6 +58,7 @@ class FakeSandbox:
     stopped: threading.Event = field(default_factory=threading.Event)
     force_stops: int = 0
     samples: int = 0
+    pid: int | None = None  # reported to on_start when a test sets it
 
 
 class FakeDriver:
@@ -128,10 +129,13 @@ class FakeDriver:
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
         max_output_bytes: int | None = None,
+        on_start: StartCallback | None = None,
     ) -> ExecResult:
         del idle_timeout_s, stdin, env, max_output_bytes
         sb = self._get(ctx)
         sb.commands.append(list(command))
+        if on_start is not None and sb.pid is not None:
+            on_start(sb.pid)
         start = time.monotonic()
         result = self.exec_handler(sb, command)
         if timeout_s is not None and time.monotonic() - start > timeout_s:

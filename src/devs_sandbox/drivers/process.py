@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
-from devs_sandbox.base import Emit, OutputCallback
+from devs_sandbox.base import Emit, OutputCallback, StartCallback
 from devs_sandbox.capture import HeadTailCapture
 from devs_sandbox.config import SandboxLifecycleConfig
 from devs_sandbox.errors import (
@@ -400,6 +400,7 @@ class ProcessDriver:
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
         max_output_bytes: int | None = None,
+        on_start: StartCallback | None = None,
     ) -> ExecResult:
         if not command:
             raise ValueError("command must not be empty")
@@ -450,6 +451,11 @@ class ProcessDriver:
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
                 raise DriverError(f"cannot confine sandbox process: {exc}") from exc
+            if on_start is not None:
+                try:
+                    on_start(proc.pid)
+                except Exception:
+                    logger.exception("on_start callback failed")
             return self._communicate(
                 box,
                 proc,
