@@ -87,26 +87,44 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 # -- leak check -------------------------------------------------------------------------
+def _foreign(sandbox_id: str) -> bool:
+    """A sandbox owned by a live process outside this test session (another session on the
+    same host): not ours to judge."""
+    from devs_sandbox.leases import LeaseRegistry
+
+    lease = LeaseRegistry().read(sandbox_id)
+    if lease is None or not lease.owner.alive():
+        return False
+    try:
+        import psutil
+
+        ours = {os.getpid()} | {p.pid for p in psutil.Process().children(recursive=True)}
+    except Exception:
+        ours = {os.getpid()}
+    return lease.owner.pid not in ours
+
+
 def _leftovers() -> set[str]:
-    found: set[str] = set()
+    found: set[tuple[str, str]] = set()
     tmp = Path(tempfile.gettempdir())
     for p in tmp.glob("devs-sandbox-*"):
-        found.add(f"workspace {p}")
-    for ctrl in Path("/sys/fs/cgroup").glob("*/devs-sandbox/*"):
+        found.add((p.name.removeprefix("devs-sandbox-"), f"workspace {p}"))
+    for ctrl in [
+        *Path("/sys/fs/cgroup").glob("*/devs-sandbox/*"),
+        *Path("/sys/fs/cgroup").glob("devs-sandbox/*"),
+    ]:
         if ctrl.is_dir():
-            found.add(f"cgroup {ctrl}")
-    for ctrl in Path("/sys/fs/cgroup").glob("devs-sandbox/*"):
-        if ctrl.is_dir():
-            found.add(f"cgroup {ctrl}")
+            found.add((ctrl.name, f"cgroup {ctrl}"))
     try:
         for line in Path("/proc/self/mountinfo").read_text().splitlines():
             if " - tmpfs devs-sandbox " in line:
-                found.add(f"mount {line.split()[4]}")
+                mnt = line.split()[4]
+                found.add((Path(mnt).name.removeprefix("devs-sandbox-"), f"mount {mnt}"))
     except OSError:
         pass
     for lease in tmp.glob("devs-sandbox.leases-*/*.json"):
-        found.add(f"lease {lease}")
-    return found
+        found.add((lease.stem, f"lease {lease}"))
+    return {what for sandbox_id, what in found if not _foreign(sandbox_id)}
 
 
 @pytest.fixture(scope="session", autouse=True)
