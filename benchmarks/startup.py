@@ -20,8 +20,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _common import summarize, time_interleaved, write_report
 from devs_sandbox import SandboxLifecycleConfig, SandboxLifecycleManager, override
+
+from _common import summarize, time_interleaved, write_report
 
 TARGET_OVERHEAD_MS = 15.0
 

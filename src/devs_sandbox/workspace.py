@@ -1,27 +1,40 @@
 """Measuring a workspace without letting the measurement become the drain.
 
 Depth, largest file and (without a tmpfs) file count need a walk. A walk of a
-tree that a hostile task controls must be bounded, so:
-- each ``scan`` spends at most ``budget_s``, then resumes next tick where it
-  stopped (values found so far are lower bounds, valid for a violation);
-- when the filesystem's fingerprint (statvfs inodes and blocks in use, the root
-  directory's mtime) has not moved since the last complete walk, the walk is
-  skipped and the previous values stand, so an idle sandbox costs one statvfs;
-- symlinks are never followed; only ``lstat`` data is used; a full re-walk is
-  forced every ``full_rescan_every`` ticks to catch renames that move a tree
-  deeper without changing any count.
+tree that a hostile task controls must be bounded and cheap when nothing moved:
+
+- when the workspace is its own filesystem (our tmpfs) and its fingerprint
+  (statvfs inodes and blocks in use, the root's mtime) has not moved since the
+  last complete walk, nothing is walked: an idle sandbox costs one statvfs (plus
+  an incremental walk every ``recheck_every`` ticks, for renames that move a tree
+  deeper without changing a count). Any change of bytes in use re-stats every
+  file, since a file can grow without its directory changing;
+- otherwise the walk is incremental: a directory whose mtime is unchanged since
+  it was last listed (and was not "racy", i.e. modified within the timestamp
+  granularity of that listing, as git treats its index) is not listed again,
+  only ``lstat``-ed, and its cached counts stand;
+- each ``scan`` spends at most ``budget_s`` and resumes next tick where it
+  stopped; values found so far are lower bounds, so a violation seen in a
+  partial walk is real;
+- without a filesystem of its own, every ``full_rescan_every`` ticks the cache is
+  ignored, to catch what mtimes cannot show (a file growing in place);
+- symlinks are never followed; only ``lstat`` data is used.
+
+Depth counts directories below the workspace root: ``a/b/c/`` is depth 3.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
-FULL_RESCAN_EVERY: Final = 15
+FULL_RESCAN_EVERY: Final = 150  # without tmpfs: re-stat every file every ~5 min at 2 s
+RECHECK_EVERY: Final = 15  # with tmpfs: an incremental walk every ~30 s even when idle
+RACY_NS: Final = 50_000_000  # mtime this close to the listing may hide a later change
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,125 +45,196 @@ class ScanResult:
     total_bytes: int
     complete: bool  # False while a budget-limited walk is still in progress
     walked: bool  # False when the fingerprint let us skip the walk
+    dirs_listed: int = 0
+
+
+@dataclass(slots=True)
+class _Dir:
+    mtime_ns: int
+    entries: int
+    subdirs: tuple[str, ...]
+    largest: int
+    total: int
+    racy: bool
+
+
+@dataclass
+class _Listing:
+    """A directory being listed, possibly across ticks."""
+
+    path: str
+    depth: int
+    mtime_ns: int
+    it: Any
+    entries: int = 0
+    subdirs: list[str] = field(default_factory=list)
+    largest: int = 0
+    total: int = 0
 
 
 @dataclass
 class _Walk:
     stack: list[tuple[str, int]]
-    current: Iterator[os.DirEntry[str]] | None = None
-    current_depth: int = 0
+    full: bool
+    current: _Listing | None = None
+    seen: set[str] = field(default_factory=set)
     file_count: int = 0
     max_depth: int = 0
     largest: int = 0
     total: int = 0
+    listed: int = 0
 
 
 class WorkspaceScanner:
     """Incremental, time-bounded walker of one workspace."""
 
     def __init__(
-        self, root: Path, *, budget_s: float = 0.2, full_rescan_every: int = FULL_RESCAN_EVERY
+        self,
+        root: Path,
+        *,
+        budget_s: float = 0.2,
+        full_rescan_every: int = FULL_RESCAN_EVERY,
+        recheck_every: int = RECHECK_EVERY,
     ) -> None:
         self.root = root
         self.budget_s = budget_s
         self.full_rescan_every = full_rescan_every
+        self.recheck_every = recheck_every
+        self._ticks_since_walk = 0
         self._walk: _Walk | None = None
         self._last: ScanResult | None = None
         self._fingerprint: tuple[int, int, int] | None = None
-        self._ticks_since_full = 0
         self._pending_fp: tuple[int, int, int] | None = None
+        self._cache: dict[str, _Dir] = {}
+        self._ticks_since_full = 0
         self.walks_started = 0
 
     def _fp(self) -> tuple[int, int, int] | None:
+        """statvfs of our own filesystem: a fingerprint of the whole tree in one syscall."""
         try:
+            if os.lstat(self.root).st_dev == os.lstat(self.root.parent).st_dev:
+                return None  # shares a filesystem: statvfs says nothing about this tree
             st = os.statvfs(self.root)
             mtime = os.lstat(self.root).st_mtime_ns
         except OSError:
             return None
-        # Only a filesystem of its own (our tmpfs) makes statvfs a fingerprint of this tree.
         if st.f_files == 0:
             return None
         return (st.f_files - st.f_ffree, st.f_blocks - st.f_bfree, mtime)
 
-    def _is_own_fs(self) -> bool:
-        try:
-            return os.lstat(self.root).st_dev != os.lstat(self.root.parent).st_dev
-        except OSError:
-            return False
-
     def scan(self, *, need_count: bool = True) -> ScanResult | None:
         """One tick's worth of measuring; ``None`` if the workspace is gone."""
-        del need_count  # the walk counts anyway; the caller prefers statvfs when it has it
+        del need_count  # the walk counts anyway; callers prefer statvfs when they have it
         self._ticks_since_full += 1
-        fp = self._fp() if self._is_own_fs() else None
-        if (
-            self._walk is None
-            and self._last is not None
-            and fp is not None
-            and fp == self._fingerprint
-            and self._ticks_since_full < self.full_rescan_every
-        ):
-            last = self._last
-            return ScanResult(
-                last.file_count,
-                last.max_depth,
-                last.largest_file_bytes,
-                last.total_bytes,
-                complete=True,
-                walked=False,
-            )
+        self._ticks_since_walk += 1
+        fp = self._fp()
+        last = self._last
         if self._walk is None:
+            if fp is not None and last is not None and self._fingerprint is not None:
+                if fp == self._fingerprint and self._ticks_since_walk < self.recheck_every:
+                    return ScanResult(
+                        last.file_count,
+                        last.max_depth,
+                        last.largest_file_bytes,
+                        last.total_bytes,
+                        complete=True,
+                        walked=False,
+                    )
+                # Bytes moved: some file changed size, maybe in a directory that did not.
+                full = fp[1] != self._fingerprint[1]
+            else:
+                full = last is None or self._ticks_since_full >= self.full_rescan_every
             if not self.root.is_dir():
                 return None
-            self._walk = _Walk(stack=[(str(self.root), 0)])
+            self._walk = _Walk(stack=[(str(self.root), 0)], full=full)
             self._pending_fp = fp
+            self._ticks_since_walk = 0
             self.walks_started += 1
-        done = self._advance(self._walk, time.monotonic() + self.budget_s)
         w = self._walk
+        done = self._advance(w, time.monotonic() + self.budget_s)
         if done:
-            result = ScanResult(w.file_count, w.max_depth, w.largest, w.total, True, True)
+            result = ScanResult(w.file_count, w.max_depth, w.largest, w.total, True, True, w.listed)
+            # Forget directories that no longer exist.
+            for gone in set(self._cache) - w.seen:
+                del self._cache[gone]
             self._last = result
             self._fingerprint = self._pending_fp
             self._walk = None
-            self._ticks_since_full = 0
+            if w.full:
+                self._ticks_since_full = 0
             return result
-        prev = self._last
         return ScanResult(
-            max(w.file_count, prev.file_count if prev else 0),
-            max(w.max_depth, prev.max_depth if prev else 0),
-            max(w.largest, prev.largest_file_bytes if prev else 0),
-            max(w.total, prev.total_bytes if prev else 0),
+            max(w.file_count, last.file_count if last else 0),
+            max(w.max_depth, last.max_depth if last else 0),
+            max(w.largest, last.largest_file_bytes if last else 0),
+            max(w.total, last.total_bytes if last else 0),
             complete=False,
             walked=True,
+            dirs_listed=w.listed,
         )
 
-    @staticmethod
-    def _advance(w: _Walk, deadline: float) -> bool:
+    def _advance(self, w: _Walk, deadline: float) -> bool:
         checks = 0
         while True:
             if w.current is None:
                 if not w.stack:
                     return True
+                # Always make some progress, however small the budget.
+                if checks and time.monotonic() > deadline:
+                    return False
+                checks += 1
                 path, depth = w.stack.pop()
                 try:
-                    w.current = iter(os.scandir(path))
+                    st = os.lstat(path)
                 except OSError:
                     continue
-                w.current_depth = depth
-            for entry in w.current:
+                if not stat.S_ISDIR(st.st_mode):
+                    continue
+                w.seen.add(path)
+                w.max_depth = max(w.max_depth, depth)
+                cached = self._cache.get(path)
+                if (
+                    not w.full
+                    and cached is not None
+                    and not cached.racy
+                    and cached.mtime_ns == st.st_mtime_ns
+                ):
+                    w.file_count += cached.entries
+                    w.largest = max(w.largest, cached.largest)
+                    w.total += cached.total
+                    w.stack.extend((f"{path}/{n}", depth + 1) for n in cached.subdirs)
+                    continue
+                try:
+                    it = os.scandir(path)
+                except OSError:
+                    continue
+                w.current = _Listing(path, depth, st.st_mtime_ns, it)
+                w.listed += 1
+            cur = w.current
+            # Resumable: a directory with a million entries is listed over several ticks.
+            for entry in cur.it:
+                cur.entries += 1
                 w.file_count += 1
                 try:
-                    if entry.is_dir(follow_symlinks=False):
-                        d = w.current_depth + 1
-                        w.max_depth = max(w.max_depth, d)
-                        w.stack.append((entry.path, d))
-                    elif entry.is_file(follow_symlinks=False):
+                    mode = entry.stat(follow_symlinks=False).st_mode
+                    if stat.S_ISDIR(mode):
+                        cur.subdirs.append(entry.name)
+                    elif stat.S_ISREG(mode):
                         size = entry.stat(follow_symlinks=False).st_size
+                        cur.total += size
                         w.total += size
-                        w.largest = max(w.largest, size)
+                        if size > cur.largest:
+                            cur.largest = size
+                            w.largest = max(w.largest, size)
                 except OSError:
                     pass
                 checks += 1
-                if checks & 63 == 0 and time.monotonic() > deadline:
+                if checks & 255 == 0 and time.monotonic() > deadline:
                     return False
+            cur.it.close()
+            racy = time.time_ns() - cur.mtime_ns < RACY_NS
+            self._cache[cur.path] = _Dir(
+                cur.mtime_ns, cur.entries, tuple(cur.subdirs), cur.largest, cur.total, racy
+            )
+            w.stack.extend((f"{cur.path}/{n}", cur.depth + 1) for n in cur.subdirs)
             w.current = None
