@@ -30,7 +30,15 @@ class SandboxDriver(Protocol):
 
     name: str
 
-    def provision(self, config: SandboxLifecycleConfig) -> SandboxContext: ...
+    def provision(
+        self,
+        config: SandboxLifecycleConfig,
+        *,
+        secrets: Mapping[str, bytes | bytearray] | None = None,
+    ) -> SandboxContext:
+        """``secrets`` reach the sandbox as files named by ``NAME_FILE``, never in argv or
+        environment, and are redacted from its output."""
+        ...
 
     def exec(
         self,

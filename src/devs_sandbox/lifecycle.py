@@ -46,6 +46,12 @@ from devs_sandbox.models import (
     new_sandbox_id,
 )
 from devs_sandbox.monitor.drain import ResourceDrainDetector
+from devs_sandbox.security.environment import EnvironmentSanitizer
+from devs_sandbox.security.session_keys import (
+    SESSION_KEY_NAME,
+    SessionKeyManager,
+    session_key_manager,
+)
 from devs_sandbox.store import ViolationStore
 from devs_sandbox.timeout import SandboxTimeoutEnforcer
 
@@ -164,6 +170,7 @@ class Sandbox:
             try:
                 self.driver.destroy(self.context)
             finally:
+                self.manager.keys.revoke_key(self.id)
                 self.manager._forget(self)
                 self.manager.bus.emit(SandboxEvents.DESTROYED, {"sandbox_id": self.id})
 
@@ -189,6 +196,7 @@ class SandboxLifecycleManager:
         enforcer: SandboxTimeoutEnforcer | None = None,
         detector: ResourceDrainDetector | None = None,
         reap_orphans: bool = True,
+        key_manager: SessionKeyManager | None = None,
     ) -> None:
         self.config = config or DevsConfig()
         self.bus = bus or EventBus()
@@ -207,6 +215,9 @@ class SandboxLifecycleManager:
         if driver is not None:
             self._drivers[driver.name] = driver
         self._fixed_driver = driver
+        self.keys = key_manager or session_key_manager
+        env_cfg = self.config.environment
+        self.sanitizer = EnvironmentSanitizer(env_cfg.extra_allow, env_cfg.extra_deny)
         self._reap = reap_orphans
         self._reaped: set[str] = set()
         self._live: dict[str, Sandbox] = {}
@@ -219,7 +230,10 @@ class SandboxLifecycleManager:
         with self._lock:
             driver = self._drivers.get(config.driver)
             if driver is None:
-                driver = create_driver(config.driver, emit=self.bus.emit)
+                kwargs: dict[str, Any] = {"emit": self.bus.emit}
+                if config.driver == "process":
+                    kwargs["sanitizer"] = self.sanitizer
+                driver = create_driver(config.driver, **kwargs)
                 self._drivers[config.driver] = driver
         return driver
 
@@ -249,12 +263,38 @@ class SandboxLifecycleManager:
             logger.info("reaped %d orphaned sandbox(es): %s", len(reaped), ", ".join(reaped))
 
     # -- sandboxes ----------------------------------------------------------------------
-    def open_sandbox(self, config: SandboxLifecycleConfig | None = None) -> Sandbox:
-        """Provision a fresh sandbox, arm its total timeout and start its drain detector."""
+    def open_sandbox(
+        self,
+        config: SandboxLifecycleConfig | None = None,
+        *,
+        secrets: Mapping[str, bytes | str] | None = None,
+    ) -> Sandbox:
+        """Provision a fresh sandbox, arm its total timeout and start its drain detector.
+
+        A session key is generated and registered for it, and delivered with ``secrets``
+        (name -> value) as files whose paths are in ``NAME_FILE``; the key is revoked when
+        the sandbox is destroyed, whatever ends it.
+        """
         cfg = config or self.config.sandbox
+        if cfg.sandbox_id is None:
+            cfg = override(cfg, sandbox_id=new_sandbox_id())
+        assert cfg.sandbox_id is not None
         driver = self.driver_for(cfg)
         self._reap_once(driver)
-        ctx = driver.provision(cfg)
+        key = self.keys.generate_key()
+        self.keys.register_key(cfg.sandbox_id, key)
+        # Our working copies are bytearrays, zeroed once the driver has taken its own.
+        payload: dict[str, bytearray] = {SESSION_KEY_NAME: bytearray(key.hex().encode())}
+        try:
+            for name, given in (secrets or {}).items():
+                payload[name] = bytearray(given.encode() if isinstance(given, str) else given)
+            ctx = driver.provision(cfg, secrets=payload)
+        except BaseException:
+            self.keys.revoke_key(cfg.sandbox_id)
+            raise
+        finally:
+            for buf in payload.values():
+                buf[:] = bytes(len(buf))
         sandbox = Sandbox(self, driver, ctx, cfg)
         with self._lock:
             self._live[ctx.id] = sandbox
@@ -316,6 +356,7 @@ class SandboxLifecycleManager:
         stdin: bytes | None = None,
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
+        secrets: Mapping[str, bytes | str] | None = None,
     ) -> SandboxOutcome:
         """Run ``task`` in a fresh sandbox and destroy it, whatever happens.
 
@@ -325,7 +366,7 @@ class SandboxLifecycleManager:
         when the sandbox cut it short.
         """
         cfg = config or self.config.sandbox
-        sandbox = self.open_sandbox(cfg)
+        sandbox = self.open_sandbox(cfg, secrets=secrets)
         preflight: list[ExecResult] = []
         try:
             self._preflight(sandbox, cfg, preflight)

@@ -7,6 +7,7 @@ import resource
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -75,19 +76,13 @@ def test_host_environment_is_not_inherited(monkeypatch: pytest.MonkeyPatch) -> N
     assert "DEVS_TEST_HOST_SECRET" not in env
     assert "s3cr3t-value" not in out.result.stdout.text
     assert env["EXPLICIT"] == "yes"
-    assert set(env) <= {
-        "PATH",
-        "HOME",
-        "LANG",
-        "TERM",
-        "TMPDIR",
-        "DEVS_SANDBOX_ID",
-        "PWD",
-        "EXPLICIT",
-    }
-    assert env["HOME"].startswith(os.path.join(os.path.realpath("/tmp"), "devs-sandbox-")) or env[
-        "HOME"
-    ].startswith("/tmp/devs-sandbox-")
+    from devs_sandbox.security.environment import EnvironmentSanitizer
+
+    ours = {"PATH", "HOME", "TMPDIR", "DEVS_SANDBOX_ID", "PWD", "EXPLICIT"}
+    ours |= {"LANG", "TERM", "DEVS_SESSION_KEY_FILE"}
+    harmless = set(EnvironmentSanitizer().sanitize())
+    assert set(env) <= ours | harmless, set(env) - ours - harmless
+    assert env["HOME"].startswith(tempfile.gettempdir() + "/devs-sandbox-")
 
 
 def test_each_run_gets_a_fresh_workspace_that_is_removed() -> None:

@@ -87,13 +87,20 @@ class FakeDriver:
         self.sandboxes: dict[str, FakeSandbox] = {}
         self.destroyed: list[str] = []
         self.provisioned: list[str] = []
+        self.secret_names: list[list[str]] = []  # names only: a fake has no business keeping values
         self._lock = threading.Lock()
 
     def isolation_report(self, config: SandboxLifecycleConfig) -> dict[str, str]:
         del config
         return dict.fromkeys(self.isolation, "")
 
-    def provision(self, config: SandboxLifecycleConfig) -> SandboxContext:
+    def provision(
+        self,
+        config: SandboxLifecycleConfig,
+        *,
+        secrets: Mapping[str, bytes | bytearray] | None = None,
+    ) -> SandboxContext:
+        self.secret_names.append(sorted(secrets or {}))
         sandbox_id = validate_sandbox_id(config.sandbox_id or new_sandbox_id())
         if self.fail_provision:
             raise ProvisionError("scripted provision failure")

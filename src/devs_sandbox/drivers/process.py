@@ -49,6 +49,7 @@ from devs_sandbox.errors import (
     IsolationUnavailableError,
     ProvisionError,
     SandboxNotFoundError,
+    SecretError,
 )
 from devs_sandbox.isolation import (
     NOBODY_GID,
@@ -69,6 +70,8 @@ from devs_sandbox.models import (
     new_sandbox_id,
     validate_sandbox_id,
 )
+from devs_sandbox.security.environment import EnvironmentSanitizer
+from devs_sandbox.security.session_keys import Redactor, StreamRedactor, validate_secret_name
 from devs_sandbox.workspace import WorkspaceScanner
 
 logger = logging.getLogger(__name__)
@@ -91,6 +94,9 @@ KILL_DRAIN_GRACE_S: Final = 0.5  # after a kill, how long to wait for pipes to c
 SAMPLE_INTERVAL_S: Final = 0.05  # peak process count sampling while an exec runs
 NO_PIDFD_POLL_S: Final = 0.01  # exit polling when the kernel has no pidfd (< 5.3)
 MAX_SIGNAL: Final = 64
+SECRETS_DIR_IN_BWRAP: Final = "/tmp/.devs-secrets"  # inside bwrap's private /tmp tmpfs
+SECRETS_DIR_IN_WORKSPACE: Final = ".devs-secrets"  # fallback: in the workspace (tmpfs as root)
+MAX_SECRET_BYTES: Final = 60 * 1024  # written into a pipe before bwrap reads it: < 64 KiB
 
 MECHANISMS: Final = (
     "rlimits",
@@ -120,6 +126,9 @@ class _Box:
     peak_processes: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
     scanner: WorkspaceScanner | None = None
+    secrets: dict[str, bytearray] = field(default_factory=dict)
+    redactor: Redactor | None = None
+    secret_paths: dict[str, str] = field(default_factory=dict)
 
 
 def _exit_code_from_status(status: int) -> tuple[int, int | None]:
@@ -153,12 +162,14 @@ class ProcessDriver:
         emit: Emit | None = None,
         host: HostSupport | None = None,
         host_env: Mapping[str, str] | None = None,
+        sanitizer: EnvironmentSanitizer | None = None,
     ) -> None:
         self.leases = leases or LeaseRegistry()
         self.workspace_root = workspace_root or Path(tempfile.gettempdir())
         self._emit = emit
         self._host = host
         self._host_env = host_env
+        self.sanitizer = sanitizer or EnvironmentSanitizer()
         self._boxes: dict[str, _Box] = {}
         self._lock = threading.Lock()
 
@@ -223,8 +234,19 @@ class ProcessDriver:
             raise IsolationUnavailableError(missing)
 
     # -- provision --------------------------------------------------------------------
-    def provision(self, config: SandboxLifecycleConfig) -> SandboxContext:
+    def provision(
+        self,
+        config: SandboxLifecycleConfig,
+        *,
+        secrets: Mapping[str, bytes | bytearray] | None = None,
+    ) -> SandboxContext:
+        """Create the sandbox. ``secrets`` (name -> value) reach it as files whose paths are
+        in ``NAME_FILE``, never as argv or environment; they are redacted from its output."""
         sandbox_id = validate_sandbox_id(config.sandbox_id or new_sandbox_id())
+        for name, value in (secrets or {}).items():
+            validate_secret_name(name)
+            if len(value) > MAX_SECRET_BYTES:
+                raise SecretError(f"secret {name} is larger than {MAX_SECRET_BYTES} bytes")
         report = self.isolation_report(config)
         self.check_required(report, config.isolation.required)
         uid, gid = self._run_as(config)
@@ -235,6 +257,8 @@ class ProcessDriver:
             )
         workspace = self.workspace_root / f"{WORKSPACE_PREFIX}{sandbox_id}"
         box = _Box(sandbox_id, config, workspace, uid, gid, active)
+        box.secrets = {name: bytearray(value) for name, value in (secrets or {}).items()}
+        box.redactor = Redactor(box.secrets) if box.secrets else None
         with self._lock:
             if sandbox_id in self._boxes:
                 raise ProvisionError(f"sandbox {sandbox_id} already exists")
@@ -304,6 +328,31 @@ class ProcessDriver:
         if cfg.copy_in is not None:
             self._copy_in(box, cfg.copy_in)
         box.scanner = WorkspaceScanner(box.workspace, budget_s=q.depth_scan_budget_ms / 1000)
+        if box.secrets:
+            self._place_secrets(box)
+
+    def _place_secrets(self, box: _Box) -> None:
+        """With bwrap, each exec gets the secrets through pipes into its private /tmp (the host
+        filesystem never holds them). Without, they are files in the workspace (a tmpfs as
+        root), mode 0400, owned by the sandbox uid, removed with it."""
+        if box.bwrap_path is not None:
+            box.secret_paths = {n: f"{SECRETS_DIR_IN_BWRAP}/{n}" for n in box.secrets}
+            return
+        d = box.workspace / SECRETS_DIR_IN_WORKSPACE
+        d.mkdir(mode=0o700)
+        for name, value in box.secrets.items():
+            path = d / name
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o400)
+            try:
+                os.write(fd, value)
+            finally:
+                os.close(fd)
+            if box.uid != os.geteuid():
+                os.chown(path, box.uid, box.gid)
+            box.secret_paths[name] = str(path)
+        d.chmod(0o500)
+        if box.uid != os.geteuid():
+            os.chown(d, box.uid, box.gid)
 
     def _copy_in(self, box: _Box, source: Path) -> None:
         if not source.is_dir():
@@ -335,15 +384,23 @@ class ProcessDriver:
         return box
 
     def _env(self, box: _Box, extra: Mapping[str, str] | None) -> dict[str, str]:
+        """The sandbox's whole environment: harmless host variables that pass the sanitizer
+        (locale, terminal, time zone), our fixed ones, the secrets' paths, then the
+        caller's explicit variables. Nothing else of the host's."""
         host = self._host_env if self._host_env is not None else os.environ
-        env = {
-            "PATH": DEFAULT_PATH,
-            "HOME": str(box.workspace),
-            "LANG": host.get("LANG") or "C.UTF-8",
-            "TERM": host.get("TERM") or "dumb",
-            "TMPDIR": "/tmp",
-            "DEVS_SANDBOX_ID": box.id,
-        }
+        env = self.sanitizer.sanitize(host)
+        env.setdefault("LANG", "C.UTF-8")
+        env.setdefault("TERM", "dumb")
+        env.update(
+            {
+                "PATH": DEFAULT_PATH,
+                "HOME": str(box.workspace),
+                "TMPDIR": "/tmp",
+                "DEVS_SANDBOX_ID": box.id,
+            }
+        )
+        for name, path in box.secret_paths.items():
+            env[f"{name}_FILE"] = path
         env.update(box.config.env)
         if extra:
             env.update(extra)
@@ -376,7 +433,9 @@ class ProcessDriver:
             )
         return argv
 
-    def _argv(self, box: _Box, command: Sequence[str]) -> list[str]:
+    def _argv(
+        self, box: _Box, command: Sequence[str], secret_fds: Mapping[str, int] | None = None
+    ) -> list[str]:
         if box.bwrap_path is None:
             return list(command)
         return bwrap.build_argv(
@@ -386,6 +445,7 @@ class ProcessDriver:
             hide_paths=box.config.isolation.hide_paths,
             drop_caps=box.uid == 0,
             command=command,
+            data_files={box.secret_paths[n]: fd for n, fd in (secret_fds or {}).items()},
         )
 
     def exec(
@@ -406,15 +466,69 @@ class ProcessDriver:
             raise ValueError("command must not be empty")
         box = self._box(ctx)
         cap = box.config.max_output_bytes if max_output_bytes is None else max_output_bytes
-        argv = [
-            "/bin/sh",
-            "-c",
-            SHIM,
-            SHIM_NAME,
-            "0" if stdin is None else "1",
-            *self._drop_argv(box),
-            *self._argv(box, command),
-        ]
+        secret_fds = self._secret_pipes(box) if box.bwrap_path is not None else {}
+        try:
+            argv = [
+                "/bin/sh",
+                "-c",
+                SHIM,
+                SHIM_NAME,
+                "0" if stdin is None else "1",
+                *self._drop_argv(box),
+                *self._argv(box, command, secret_fds),
+            ]
+            return self._exec(
+                box,
+                argv,
+                secret_fds=secret_fds,
+                cap=cap,
+                timeout_s=timeout_s,
+                idle_timeout_s=idle_timeout_s,
+                stdin=stdin,
+                env=env,
+                on_stdout=on_stdout,
+                on_stderr=on_stderr,
+                on_start=on_start,
+            )
+        finally:
+            for fd in secret_fds.values():
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+    @staticmethod
+    def _secret_pipes(box: _Box) -> dict[str, int]:
+        """One pipe per secret, already filled and closed for writing: bwrap copies it into a
+        file of its private tmpfs (``--ro-bind-data``). The value never touches argv."""
+        fds: dict[str, int] = {}
+        try:
+            for name, value in box.secrets.items():
+                r, w = os.pipe()
+                fds[name] = r
+                try:
+                    os.write(w, value)
+                finally:
+                    os.close(w)
+        except BaseException:
+            for fd in fds.values():
+                os.close(fd)
+            raise
+        return fds
+
+    def _exec(
+        self,
+        box: _Box,
+        argv: list[str],
+        *,
+        secret_fds: Mapping[str, int],
+        cap: int,
+        timeout_s: float | None,
+        idle_timeout_s: float | None,
+        stdin: bytes | None,
+        env: Mapping[str, str] | None,
+        on_stdout: OutputCallback | None,
+        on_stderr: OutputCallback | None,
+        on_start: StartCallback | None,
+    ) -> ExecResult:
         if box.cgroup is not None and box.cgroup.support.version == 1:
             # Per-exec peak: v1 lets us reset the high-water mark.
             mem = box.cgroup.dirs.get("memory")
@@ -433,6 +547,7 @@ class ProcessDriver:
                 env=self._env(box, env),
                 start_new_session=True,
                 close_fds=True,
+                pass_fds=tuple(secret_fds.values()),
             )
         except OSError as exc:
             raise DriverError(f"cannot start sandbox process: {exc}") from exc
@@ -502,6 +617,22 @@ class ProcessDriver:
         assert proc.stdout is not None and proc.stderr is not None
         captures = {"out": HeadTailCapture(cap), "err": HeadTailCapture(cap)}
         callbacks = {"out": on_stdout, "err": on_stderr}
+        # Secrets are redacted before anything keeps or forwards a byte of output.
+        redactors: dict[str, StreamRedactor] = (
+            {"out": box.redactor.stream(), "err": box.redactor.stream()} if box.redactor else {}
+        )
+
+        def deliver(tag: str, chunk: bytes) -> None:
+            if not chunk:
+                return
+            captures[tag].feed(chunk)
+            cb = callbacks[tag]
+            if cb is not None:
+                try:
+                    cb(chunk)
+                except Exception:
+                    logger.exception("output callback failed")
+
         sel = selectors.DefaultSelector()
         sel.register(proc.stdout.fileno(), selectors.EVENT_READ, "out")
         sel.register(proc.stderr.fileno(), selectors.EVENT_READ, "err")
@@ -605,13 +736,8 @@ class ProcessDriver:
                             open_streams -= 1
                             continue
                         last_output = time.monotonic()
-                        captures[tag].feed(chunk)
-                        cb = callbacks[tag]
-                        if cb is not None:
-                            try:
-                                cb(chunk)
-                            except Exception:
-                                logger.exception("output callback failed")
+                        red = redactors.get(tag)
+                        deliver(tag, red.feed(chunk) if red else chunk)
         finally:
             sel.close()
             if pidfd is not None:
@@ -619,6 +745,8 @@ class ProcessDriver:
             if status is None and not reap(False):
                 self._kill_exec(box, proc)
                 reap(True)
+        for tag, red in redactors.items():
+            deliver(tag, red.flush())
         end = time.monotonic()
         assert status is not None
         code, signaled = _exit_code_from_status(status)
@@ -688,13 +816,13 @@ class ProcessDriver:
         inodes_free: int | None = None
         disk_free: int | None = None
         if box.mounted:
-            usage = mounts.inode_usage(box.workspace)
-            if usage is not None:
-                file_count = max(0, usage[0] - 1)  # minus the tmpfs root itself
-            disk = mounts.bytes_used(box.workspace)
-            free = mounts.free_space(box.workspace)
-            if free is not None:
-                inodes_free, disk_free = free
+            # One statvfs gives count, bytes and headroom of our own tmpfs.
+            with contextlib.suppress(OSError):
+                st = os.statvfs(box.workspace)
+                file_count = max(0, st.f_files - st.f_ffree - 1)  # minus the tmpfs root
+                disk = (st.f_blocks - st.f_bfree) * st.f_frsize
+                inodes_free = st.f_ffree
+                disk_free = st.f_bavail * st.f_frsize
         scan = box.scanner.scan(need_count=file_count is None) if box.scanner else None
         if scan is not None:
             if file_count is None:
@@ -720,8 +848,12 @@ class ProcessDriver:
         )
 
     def _running(self, box: _Box) -> bool:
-        if box.cgroup is not None and box.cgroup.pids():
-            return True
+        if box.cgroup is not None:
+            current = box.cgroup.pids_current()
+            if current is not None:
+                return current > 0
+            if box.cgroup.pids():
+                return True
         with box.lock:
             return any(p.poll() is None for p in box.procs.values())
 
@@ -754,6 +886,9 @@ class ProcessDriver:
             for p in procs:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(p.pid, signal.SIGKILL)
+            for value in box.secrets.values():
+                value[:] = bytes(len(value))  # best effort: see security/session_keys.py
+            box.secrets.clear()
         leftovers = self._destroy_resources(
             ctx.id, ctx.workspace, box.cgroup if box is not None else None
         )

@@ -17,7 +17,7 @@ import functools
 import os
 import shutil
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -105,6 +105,7 @@ def build_argv(
     drop_caps: bool,
     command: Sequence[str],
     extra_binds: Sequence[tuple[str, str]] = (),
+    data_files: Mapping[str, int] | None = None,
 ) -> list[str]:
     """The bwrap command line for one exec."""
     ws = str(workspace)
@@ -151,6 +152,15 @@ def build_argv(
     ]
     for src, dest in extra_binds:
         argv += ["--ro-bind", src, dest]
+    # Files made from a pipe inside the private /tmp (secrets): read-only, 0400, in a
+    # 0500 directory; only the fd number is on the command line.
+    made_dirs: set[str] = set()
+    for dest, fd in (data_files or {}).items():
+        parent = str(Path(dest).parent)
+        if parent not in made_dirs:
+            argv += ["--perms", "0500", "--dir", parent]
+            made_dirs.add(parent)
+        argv += ["--perms", "0400", "--ro-bind-data", str(fd), dest]
     # The environment is NOT passed with --setenv: argv is world-readable in
     # /proc/<pid>/cmdline, the environment is not. bwrap hands its own (already
     # minimal) environment to the command unchanged.

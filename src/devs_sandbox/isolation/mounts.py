@@ -101,31 +101,3 @@ def is_mountpoint(target: Path) -> bool:
         if len(fields) > 4 and fields[4].replace("\\040", " ") == want:
             return True
     return False
-
-
-def inode_usage(target: Path) -> tuple[int, int] | None:
-    """(inodes used, inodes total) of the filesystem holding ``target``, from statvfs."""
-    try:
-        st = os.statvfs(target)
-    except OSError:
-        return None
-    if st.f_files == 0:
-        return None
-    return st.f_files - st.f_ffree, st.f_files
-
-
-def free_space(target: Path) -> tuple[int, int] | None:
-    """(free inodes, free bytes) of the filesystem holding ``target``."""
-    try:
-        st = os.statvfs(target)
-    except OSError:
-        return None
-    return st.f_ffree, st.f_bavail * st.f_frsize
-
-
-def bytes_used(target: Path) -> int | None:
-    try:
-        st = os.statvfs(target)
-    except OSError:
-        return None
-    return (st.f_blocks - st.f_bfree) * st.f_frsize

@@ -1,0 +1,1 @@
+"""Keeping host secrets out of sandboxes and getting session secrets in safely."""
