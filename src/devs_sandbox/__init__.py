@@ -65,6 +65,12 @@ from devs_sandbox.monitor.drain import (
     check_process_quota,
 )
 from devs_sandbox.scheduler import FakeScheduler, ThreadScheduler
+from devs_sandbox.security.environment import EnvironmentSanitizer
+from devs_sandbox.security.session_keys import (
+    Redactor,
+    SessionKeyManager,
+    session_key_manager,
+)
 from devs_sandbox.store import ViolationStore
 from devs_sandbox.timeout import (
     SandboxTimeoutEnforcer,
@@ -84,6 +90,7 @@ __all__ = [
     "DiskQuotaExceededError",
     "DriverError",
     "DriverUnavailableError",
+    "EnvironmentSanitizer",
     "EventBus",
     "ExecResult",
     "ExecTimeoutError",
@@ -100,6 +107,7 @@ __all__ = [
     "QuotaConfig",
     "QuotaExceededError",
     "QuotaViolation",
+    "Redactor",
     "ResourceDrainDetector",
     "ResourceLimitExceededError",
     "ResourceUsage",
@@ -119,6 +127,7 @@ __all__ = [
     "SandboxTimeoutError",
     "SecretError",
     "SecurityConfigError",
+    "SessionKeyManager",
     "StoreError",
     "ThreadScheduler",
     "UnsupportedRuntimeError",
@@ -132,5 +141,6 @@ __all__ = [
     "default_timeout_enforcer",
     "load_config",
     "override",
+    "session_key_manager",
     "with_execution_timeout",
 ]

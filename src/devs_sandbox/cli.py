@@ -38,6 +38,7 @@ from devs_sandbox.errors import (
     SandboxCancelledError,
     SandboxPreFlightError,
     SandboxTimeoutError,
+    SecretError,
 )
 from devs_sandbox.models import SandboxOutcome, validate_sandbox_id
 
@@ -189,6 +190,14 @@ def build_parser() -> _Parser:
         metavar="FILE",
         help="feed FILE ('-' for this command's stdin) to COMMAND; default /dev/null",
     )
+    run.add_argument(
+        "--secret",
+        action="append",
+        default=[],
+        metavar="NAME[=@FILE]",
+        help="deliver a secret as a 0400 file whose path is in NAME_FILE: from FILE, "
+        "or from this command's environment variable NAME (repeatable)",
+    )
     run.add_argument("--sandbox-id", type=_sandbox_id, metavar="ID")
     run.add_argument(
         "--require",
@@ -304,6 +313,35 @@ class _Stream:
             self.broken = True
 
 
+def _read_secrets(specs: Sequence[str]) -> dict[str, bytes]:
+    """``NAME=@FILE`` reads FILE; ``NAME`` reads our own environment variable NAME. The
+    values never appear on a command line: only the names and paths do."""
+    from devs_sandbox.security.session_keys import validate_secret_name  # noqa: PLC0415
+
+    out: dict[str, bytes] = {}
+    for spec in specs:
+        name, sep, source = spec.partition("=")
+        validate_secret_name(name)
+        if sep:
+            if not source.startswith("@") or len(source) < 2:
+                raise SecretError(
+                    f"--secret {name}: give the value as NAME=@FILE or NAME (from the "
+                    "environment), never inline on the command line"
+                )
+            try:
+                out[name] = Path(source[1:]).read_bytes()
+            except OSError as exc:
+                raise SecretError(
+                    f"--secret {name}: cannot read {source[1:]}: {exc.strerror}"
+                ) from None
+        else:
+            value = os.environ.get(name)
+            if value is None:
+                raise SecretError(f"--secret {name}: not set in the environment")
+            out[name] = value.encode()
+    return out
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from devs_sandbox.lifecycle import SandboxLifecycleManager  # noqa: PLC0415
     from devs_sandbox.store import ViolationStore  # noqa: PLC0415
@@ -317,6 +355,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
     file_cfg = load_config(args.config)
     cfg = _run_config(args, file_cfg)
+    secrets = _read_secrets(args.secret)
     store = ViolationStore(_db_path(args, file_cfg))
     manager = SandboxLifecycleManager(config=file_cfg, store=store)
     streams: dict[str, Any] = {}
@@ -339,7 +378,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     status = 0
     error_line: str | None = None
     try:
-        outcome = manager.run_in_sandbox(command, cfg, stdin=stdin_data, **streams)
+        outcome = manager.run_in_sandbox(command, cfg, stdin=stdin_data, secrets=secrets, **streams)
         status = outcome.exit_code
     except SandboxTimeoutError as exc:
         outcome, status, error_line = exc.outcome, EXIT_TIMEOUT, str(exc)

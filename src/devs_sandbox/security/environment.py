@@ -94,9 +94,11 @@ DENY_PREFIXES: Final = (
 DENY_VALUE_PATTERNS: Final = (
     re.compile(r"gh[pousr]_[A-Za-z0-9]{10,}"),  # GitHub tokens
     re.compile(r"github_pat_[A-Za-z0-9_]{10,}"),
-    re.compile(r"\bsk-[A-Za-z0-9_\-]{10,}"),  # OpenAI / Anthropic style keys
-    re.compile(r"\bxox[abposr]-[A-Za-z0-9\-]{8,}"),  # Slack
-    re.compile(r"\b(?:AKIA|ASIA)[A-Z0-9]{12,}"),  # AWS access key ids
+    # No word boundaries: "0sk-..." or "xAKIA..." are still worth refusing; the only cost
+    # is a harmless variable (LANG, TERM, ...) with such a value being dropped.
+    re.compile(r"sk-[A-Za-z0-9_\-]{10,}"),  # OpenAI / Anthropic style keys
+    re.compile(r"xox[abposr]-[A-Za-z0-9\-]{8,}"),  # Slack
+    re.compile(r"(?:AKIA|ASIA)[A-Z0-9]{12,}"),  # AWS access key ids
     re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----"),
     re.compile(r"-----BEGIN [A-Z ]+-----"),  # any PEM block
 )

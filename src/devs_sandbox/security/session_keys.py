@@ -45,8 +45,6 @@ def validate_secret_name(name: str) -> str:
         raise SecretError(
             f"invalid secret name {name!r}: use letters, digits and '_', not starting with a digit"
         )
-    if name.endswith("_FILE"):
-        raise SecretError(f"invalid secret name {name!r}: NAME_FILE is where its path goes")
     return name
 
 
