@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from devs_sandbox.leases import LeaseRegistry
 from devs_sandbox.store import ViolationStore
 from tests.conftest import run_cli
 from tests.integration.helpers import processes_with, wait_for
@@ -287,11 +288,14 @@ def test_a_crashed_owner_is_reaped_by_cleanup_and_on_next_start() -> None:
             stderr=subprocess.DEVNULL,
         )
         assert wait_for(lambda m=marker: processes_with(m), 15)
-        leases = list(Path("/tmp").glob("devs-sandbox.leases-*/*.json"))
-        workspaces = set(Path("/tmp").glob("devs-sandbox-*"))
+        # Only the crashed owner's sandbox: other test sessions may share this host.
+        mine = [
+            lease for _, lease in LeaseRegistry().all() if lease and lease.owner.pid == owner.pid
+        ]
+        workspaces = {Path(lease.workspace) for lease in mine}
         owner.send_signal(signal.SIGKILL)  # no finally, no destroy: a crash
         owner.wait(10)
-        assert leases and workspaces
+        assert len(mine) == 1 and all(ws.exists() for ws in workspaces)
         r = run_cli(*command)
         assert r.returncode == 0, r.stderr
         if command == ["cleanup"]:

@@ -129,6 +129,7 @@ class _Box:
     secrets: dict[str, bytearray] = field(default_factory=dict)
     redactor: Redactor | None = None
     secret_paths: dict[str, str] = field(default_factory=dict)
+    base_env: dict[str, str] | None = None  # computed once: host env is read at provision
 
 
 def _exit_code_from_status(status: int) -> tuple[int, int | None]:
@@ -387,21 +388,24 @@ class ProcessDriver:
         """The sandbox's whole environment: harmless host variables that pass the sanitizer
         (locale, terminal, time zone), our fixed ones, the secrets' paths, then the
         caller's explicit variables. Nothing else of the host's."""
-        host = self._host_env if self._host_env is not None else os.environ
-        env = self.sanitizer.sanitize(host)
-        env.setdefault("LANG", "C.UTF-8")
-        env.setdefault("TERM", "dumb")
-        env.update(
-            {
-                "PATH": DEFAULT_PATH,
-                "HOME": str(box.workspace),
-                "TMPDIR": "/tmp",
-                "DEVS_SANDBOX_ID": box.id,
-            }
-        )
-        for name, path in box.secret_paths.items():
-            env[f"{name}_FILE"] = path
-        env.update(box.config.env)
+        if box.base_env is None:
+            host = self._host_env if self._host_env is not None else os.environ
+            base = self.sanitizer.sanitize(host)
+            base.setdefault("LANG", "C.UTF-8")
+            base.setdefault("TERM", "dumb")
+            base.update(
+                {
+                    "PATH": DEFAULT_PATH,
+                    "HOME": str(box.workspace),
+                    "TMPDIR": "/tmp",
+                    "DEVS_SANDBOX_ID": box.id,
+                }
+            )
+            for name, path in box.secret_paths.items():
+                base[f"{name}_FILE"] = path
+            base.update(box.config.env)
+            box.base_env = base
+        env = dict(box.base_env)
         if extra:
             env.update(extra)
         return env
@@ -498,7 +502,7 @@ class ProcessDriver:
     @staticmethod
     def _secret_pipes(box: _Box) -> dict[str, int]:
         """One pipe per secret, already filled and closed for writing: bwrap copies it into a
-        file of its private tmpfs (``--ro-bind-data``). The value never touches argv."""
+        file of its private tmpfs (``--file``). The value never touches argv."""
         fds: dict[str, int] = {}
         try:
             for name, value in box.secrets.items():
@@ -910,7 +914,9 @@ class ProcessDriver:
         elif support.available:
             left += SandboxCgroup.from_paths(support, sandbox_id).remove()
         if workspace.exists() or workspace.is_symlink():
-            if mounts.is_mountpoint(workspace):
+            # Only root can have mounted it; umount2 on a plain directory is a cheap EINVAL,
+            # cheaper than scanning /proc/self/mountinfo.
+            if os.geteuid() == 0 and not workspace.is_symlink():
                 try:
                     mounts.unmount(workspace)
                 except OSError as exc:

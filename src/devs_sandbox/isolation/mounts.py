@@ -88,16 +88,3 @@ def unmount(target: Path) -> None:
         # EINVAL: not a mount point; ENOENT: gone already. Both mean nothing to undo.
         if err not in (22, 2):
             raise OSError(err, f"umount {target}: {os.strerror(err)}")
-
-
-def is_mountpoint(target: Path) -> bool:
-    try:
-        text = Path("/proc/self/mountinfo").read_text()
-    except OSError:
-        return os.path.ismount(target)
-    want = str(target)
-    for line in text.splitlines():
-        fields = line.split()
-        if len(fields) > 4 and fields[4].replace("\\040", " ") == want:
-            return True
-    return False

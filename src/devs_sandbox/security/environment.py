@@ -139,14 +139,19 @@ class EnvironmentSanitizer:
         return cls(tuple(extra_allow), tuple(extra_deny), TOOL_ALLOW)
 
     def allows(self, name: str, value: str) -> bool:
-        """Would ``name=value`` pass? The deny rule wins over every allow."""
+        """Would ``name=value`` pass? The deny rule wins over every allow.
+
+        The allow test comes first only because it is the cheap one: most host variables
+        fail it, and then no value needs scanning. A name that passes it still faces the
+        whole deny rule.
+        """
         if not name or "=" in name or "\0" in name or "\0" in value:
+            return False
+        if not (_matches(name, self.base_allow) or _matches(name, self.extra_allow)):
             return False
         if _matches(name, self.extra_deny) or looks_like_credential_name(name):
             return False
-        if looks_like_credential_value(value):
-            return False
-        return _matches(name, self.base_allow) or _matches(name, self.extra_allow)
+        return not looks_like_credential_value(value)
 
     def sanitize(self, env: Mapping[str, str] | None = None) -> dict[str, str]:
         """A new dict with only the allowed variables of ``env`` (default: ``os.environ``)."""
