@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -133,6 +134,11 @@ def no_leftovers() -> Iterator[None]:
     before = _leftovers()
     yield
     after = _leftovers() - before
+    if after:
+        # A sandbox of another session may be between "lease removed" and "directory
+        # removed" while we look: only what is still there a moment later counts.
+        time.sleep(1.0)
+        after &= _leftovers()
     assert not after, f"sandbox resources left behind: {sorted(after)}"
 
 
