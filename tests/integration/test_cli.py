@@ -245,24 +245,22 @@ def test_doctor_reports_every_mechanism() -> None:
     assert "cgroup" in human.stdout and "rlimits" in human.stdout
 
 
-def test_sigterm_to_the_cli_destroys_the_sandbox() -> None:
+def start_cli_sleeper() -> tuple[subprocess.Popen[bytes], str]:
+    """``devs-sandbox run`` of a sleeper whose argv[0] is a unique marker, once it runs."""
     marker = f"devs-test-{uuid.uuid4().hex}"
+    argv = [sys.executable, "-m", "devs_sandbox", "run", "--", "bash", "-c"]
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "devs_sandbox",
-            "run",
-            "--",
-            "bash",
-            "-c",
-            f"exec -a {marker} sleep 300",
-        ],
+        [*argv, f"exec -a {marker} sleep 300"],
         stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     assert wait_for(lambda: processes_with(marker), 15)
+    return proc, marker
+
+
+def test_sigterm_to_the_cli_destroys_the_sandbox() -> None:
+    proc, marker = start_cli_sleeper()
     proc.send_signal(signal.SIGTERM)
     proc.wait(30)
     assert proc.returncode == 128 + signal.SIGTERM
@@ -271,23 +269,7 @@ def test_sigterm_to_the_cli_destroys_the_sandbox() -> None:
 
 def test_a_crashed_owner_is_reaped_by_cleanup_and_on_next_start() -> None:
     for command in (["cleanup"], ["run", "--", "true"]):
-        marker = f"devs-test-{uuid.uuid4().hex}"
-        owner = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "devs_sandbox",
-                "run",
-                "--",
-                "bash",
-                "-c",
-                f"exec -a {marker} sleep 300",
-            ],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        assert wait_for(lambda m=marker: processes_with(m), 15)
+        owner, marker = start_cli_sleeper()
         # Only the crashed owner's sandbox: other test sessions may share this host.
         mine = [
             lease for _, lease in LeaseRegistry().all() if lease and lease.owner.pid == owner.pid
