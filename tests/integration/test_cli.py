@@ -287,8 +287,13 @@ def test_a_crashed_owner_is_reaped_by_cleanup_and_on_next_start() -> None:
             stderr=subprocess.DEVNULL,
         )
         assert wait_for(lambda m=marker: processes_with(m), 15)
-        leases = list(Path("/tmp").glob("devs-sandbox.leases-*/*.json"))
-        workspaces = set(Path("/tmp").glob("devs-sandbox-*"))
+        # Only what this owner made: other sessions on the host have sandboxes of their own.
+        leases = [
+            lease
+            for lease in Path("/tmp").glob("devs-sandbox.leases-*/*.json")
+            if json.loads(lease.read_text())["owner"]["pid"] == owner.pid
+        ]
+        workspaces = {Path(json.loads(lease.read_text())["workspace"]) for lease in leases}
         owner.send_signal(signal.SIGKILL)  # no finally, no destroy: a crash
         owner.wait(10)
         assert leases and workspaces
