@@ -53,6 +53,7 @@ from devs_sandbox.models import (
     SandboxContext,
     SandboxMetrics,
     SandboxOutcome,
+    TreeSample,
     Violation,
     ViolationType,
 )
@@ -63,6 +64,14 @@ from devs_sandbox.monitor.drain import (
     ResourceDrainDetector,
     check_filesystem_quota,
     check_process_quota,
+)
+from devs_sandbox.monitor.shell import (
+    MonitoredShellOptions,
+    PsutilProcessStats,
+    ScriptedProcessStats,
+    ShellResult,
+    run_shell_monitored,
+    run_shell_monitored_sync,
 )
 from devs_sandbox.scheduler import FakeScheduler, ThreadScheduler
 from devs_sandbox.store import ViolationStore
@@ -94,9 +103,11 @@ __all__ = [
     "InvalidSandboxIdError",
     "IsolationConfig",
     "IsolationUnavailableError",
+    "MonitoredShellOptions",
     "ProcessDriver",
     "ProcessQuotaConfig",
     "ProvisionError",
+    "PsutilProcessStats",
     "QuotaConfig",
     "QuotaExceededError",
     "QuotaViolation",
@@ -117,10 +128,13 @@ __all__ = [
     "SandboxRunError",
     "SandboxTimeoutEnforcer",
     "SandboxTimeoutError",
+    "ScriptedProcessStats",
     "SecretError",
     "SecurityConfigError",
+    "ShellResult",
     "StoreError",
     "ThreadScheduler",
+    "TreeSample",
     "UnsupportedRuntimeError",
     "Violation",
     "ViolationStore",
@@ -132,5 +146,7 @@ __all__ = [
     "default_timeout_enforcer",
     "load_config",
     "override",
+    "run_shell_monitored",
+    "run_shell_monitored_sync",
     "with_execution_timeout",
 ]
