@@ -40,6 +40,7 @@ from devs_sandbox.errors import (
     SandboxTimeoutError,
     SecretError,
     SecurityConfigError,
+    SessionLimitError,
     StoreError,
     UnsupportedRuntimeError,
 )
@@ -74,6 +75,7 @@ from devs_sandbox.monitor.shell import (
     run_shell_monitored_sync,
 )
 from devs_sandbox.scheduler import FakeScheduler, ThreadScheduler
+from devs_sandbox.sessions import SandboxSessions
 from devs_sandbox.store import ViolationStore
 from devs_sandbox.timeout import (
     SandboxTimeoutEnforcer,
@@ -126,11 +128,13 @@ __all__ = [
     "SandboxOutcome",
     "SandboxPreFlightError",
     "SandboxRunError",
+    "SandboxSessions",
     "SandboxTimeoutEnforcer",
     "SandboxTimeoutError",
     "ScriptedProcessStats",
     "SecretError",
     "SecurityConfigError",
+    "SessionLimitError",
     "ShellResult",
     "StoreError",
     "ThreadScheduler",
