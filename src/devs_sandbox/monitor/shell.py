@@ -205,13 +205,13 @@ class PsutilProcessStats:
     """``ProcessStatsSource`` over psutil (Linux, macOS, Windows); one instance per tree.
 
     Finding a tree means knowing every host process's parent. ``Process.children()``
-    reads all of them and builds a ``Process`` per descendant on every call: 9 ms a
-    sample for a 50-process tree on a 100-process host, and more as the host grows.
+    reads all of them and builds a ``Process`` per descendant on every call: 7-9 ms a
+    sample for a 50-process tree on a 100-170-process host, more as the host grows.
     This class keeps the host's pid -> parent table between samples instead. Each
     sample lists pids (one directory read), reads the parent of new pids only, re-reads
     orphans (a parent changes only when the old one dies), walks the tree, and reads
     each member once (``oneshot``: stat and statm on Linux). Cost then follows the tree
-    and the host's churn, not the host's size: 3.2 ms for the same tree
+    and the host's churn, not the host's size: 2-3 ms for the same tree
     (``benchmarks/sampling.py``). The first sample learns the whole table (~20 ms).
 
     Known limit: a parent that dies and whose pid is reused before the next sample
