@@ -30,6 +30,7 @@ def test_without_the_sdk_the_error_names_the_extra(
 def test_options_reach_the_server(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    pytest.importorskip("mcp")
     from devs_sandbox import mcp_server
 
     seen: dict[str, Any] = {}

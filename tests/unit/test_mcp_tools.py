@@ -22,7 +22,7 @@ from devs_sandbox.config import DevsConfig, SandboxLifecycleConfig, parse_config
 from devs_sandbox.drivers.fake import FakeDriver, FakeSandbox, killed_result, ok_result
 from devs_sandbox.lifecycle import SandboxLifecycleManager
 from devs_sandbox.mcp_server import DevsMcpServer
-from devs_sandbox.models import ExecResult, TreeSample
+from devs_sandbox.models import DetectionRule, ExecResult, TreeSample, Violation, ViolationType
 from devs_sandbox.monitor.shell import ScriptedProcessStats
 from devs_sandbox.scheduler import FakeScheduler
 from devs_sandbox.sessions import SandboxSessions
@@ -86,6 +86,19 @@ class Harness:
             return ok_result(text.removeprefix("echo ") + "\n")
         if text == "boom":
             raise RuntimeError("secret internal detail")
+        if text == "false":
+            return ok_result(exit_code=1, stderr="no\n")
+        if text in {"silent", "slow"}:  # as the driver reports an idle or exec timeout
+            r = ok_result("partial\n")
+            return ExecResult(
+                137,
+                r.stdout,
+                r.stderr,
+                1.0,
+                timed_out=text == "slow",
+                idle_timed_out=text == "silent",
+                signal=9,
+            )
         for _ in range(self.seconds):  # anything else runs a while, killable
             if sb.stopped.is_set():
                 return killed_result()
@@ -421,3 +434,53 @@ def test_a_pinned_sandbox_id_in_the_config_is_not_reused(tmp_path: Path) -> None
 
     h.run(scenario)
     assert "fixed" not in h.driver.provisioned and len(set(h.driver.provisioned)) == 2
+
+
+def test_timeouts_quota_and_preflight_errors(tmp_path: Path) -> None:
+    config = parse_config({"sandbox": {"idleTimeoutMs": 2_000}})
+    h = Harness(tmp_path, config=config)
+
+    async def scenario(client: Client) -> None:
+        r = await client.call_tool("run_shell_monitored", {"command": "silent"})
+        assert "printed nothing for 2 s" in error_text(r)
+        assert "sandbox.idleTimeoutMs" in error_text(r)
+        r = await client.call_tool("sandbox_create", {})
+        assert r.structured_content is not None
+        sid = r.structured_content["sandbox_id"]
+        r = await client.call_tool(
+            "sandbox_exec", {"sandbox_id": sid, "command": "slow", "timeout_s": 7}
+        )
+        assert "timed out after 7 s" in error_text(r)
+        assert r.structured_content is not None and r.structured_content["stdout"] == "partial\n"
+        v = Violation(sid, ViolationType.PROCESS_COUNT_EXCEEDED, 65, 64, DetectionRule.KERNEL)
+        h.manager.detector.enforce_quota(v)
+        r = await client.call_tool("sandbox_exec", {"sandbox_id": sid, "command": "echo x"})
+        assert "PROCESS_COUNT_EXCEEDED (observed 65, limit 64)" in error_text(r)
+        assert "the sandbox destroyed" in error_text(r)
+        assert r.structured_content is not None
+        assert r.structured_content["violation"]["type"] == "PROCESS_COUNT_EXCEEDED"
+        r = await client.call_tool("sandbox_exec", {"sandbox_id": sid, "command": "echo x"})
+        assert "terminated for PROCESS_COUNT_EXCEEDED" in error_text(r)
+        r = await client.call_tool("run_shell_monitored", {"command": "a\u0000b"})
+        assert "command: must not contain NUL bytes" in error_text(r)
+
+    h.run(scenario)
+
+
+def test_preflight_failures_and_a_closing_server(tmp_path: Path) -> None:
+    h = Harness(tmp_path, config=parse_config({"sandbox": {"preflightCommands": ["false"]}}))
+
+    async def scenario(client: Client) -> None:
+        r = await client.call_tool("run_shell_monitored", {"command": "echo x"})
+        assert "preflight command exited 1: false" in error_text(r)
+        assert r.structured_content == {"error": "preflight_failed", "command": "false"}
+        r = await client.call_tool("sandbox_create", {})
+        assert "preflight command exited 1" in error_text(r)
+        assert len(h.sessions) == 0  # the half-made session was destroyed
+        h.sessions.close()
+        r = await client.call_tool("sandbox_create", {})
+        assert "shutting down" in error_text(r)
+        assert r.structured_content == {"error": "sandbox_error", "type": "ServerClosingError"}
+
+    h.run(scenario)
+    assert len(h.driver.destroyed) == 2
