@@ -25,6 +25,7 @@ from pydantic import (
     StrictInt,
     ValidationError,
     field_validator,
+    model_validator,
 )
 from pydantic.alias_generators import to_camel
 
@@ -272,6 +273,11 @@ class McpConfig(_Model):
     timeout_s: Annotated[float, Field(gt=0, le=MAX_CALL_TIMEOUT_S)] = 300.0
     """run_shell_monitored and sandbox_exec: default per-call timeout."""
 
+    max_timeout_s: Annotated[float, Field(gt=0, le=MAX_CALL_TIMEOUT_S)] = 3_600.0
+    """Most an agent may ask for in a call's timeout_s; the tools refuse more. (The
+    sandbox's quotas cap memory, processes and disk whatever a call asks; time has only
+    this.)"""
+
     session_idle_timeout_s: Annotated[float, Field(gt=0, le=86_400)] = 900.0
     """Destroy an agent's sandbox after this long without a call."""
 
@@ -282,6 +288,15 @@ class McpConfig(_Model):
     max_sessions: Annotated[StrictInt, Field(ge=1, le=1_000)] = 16
     """Most sandboxes one server keeps alive at once: the agents' sessions plus the
     run_shell_monitored calls in flight."""
+
+    @model_validator(mode="after")
+    def _default_within_max(self) -> McpConfig:
+        if self.timeout_s > self.max_timeout_s:
+            raise ValueError(
+                f"timeoutS ({self.timeout_s:g}) must not exceed "
+                f"maxTimeoutS ({self.max_timeout_s:g})"
+            )
+        return self
 
 
 class DevsConfig(_Model):

@@ -54,7 +54,6 @@ from devs_sandbox import __version__
 from devs_sandbox.aio import run_blocking
 from devs_sandbox.base import ProcessStatsSource, Scheduler
 from devs_sandbox.config import (
-    MAX_CALL_TIMEOUT_S,
     MAX_CPU_SUSTAINED_MS,
     MAX_POLL_INTERVAL_MS,
     MIN_POLL_INTERVAL_MS,
@@ -142,7 +141,7 @@ def _monitor_fields(cfg: DevsConfig) -> dict[str, Any]:
             Field(
                 default=mcp.timeout_s,
                 gt=0,
-                le=MAX_CALL_TIMEOUT_S,
+                le=mcp.max_timeout_s,
                 description="Seconds before the command (and all it started) is killed.",
             ),
         ),

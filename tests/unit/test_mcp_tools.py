@@ -20,6 +20,7 @@ from mcp.types import CallToolResult
 
 from devs_sandbox.config import DevsConfig, SandboxLifecycleConfig, parse_config
 from devs_sandbox.drivers.fake import FakeDriver, FakeSandbox, killed_result, ok_result
+from devs_sandbox.errors import ConfigError
 from devs_sandbox.lifecycle import SandboxLifecycleManager
 from devs_sandbox.mcp_server import DevsMcpServer
 from devs_sandbox.models import DetectionRule, ExecResult, TreeSample, Violation, ViolationType
@@ -484,3 +485,18 @@ def test_preflight_failures_and_a_closing_server(tmp_path: Path) -> None:
 
     h.run(scenario)
     assert len(h.driver.destroyed) == 2
+
+
+def test_an_agent_cannot_ask_for_more_time_than_the_operator_allows(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"timeoutS \(600\) must not exceed maxTimeoutS \(60\)"):
+        parse_config({"mcp": {"timeoutS": 600, "maxTimeoutS": 60}})
+    h = Harness(tmp_path, config=parse_config({"mcp": {"timeoutS": 30, "maxTimeoutS": 60}}))
+
+    async def scenario(client: Client) -> None:
+        tools = {t.name: t for t in (await client.list_tools()).tools}
+        for name in ("run_shell_monitored", "sandbox_exec"):
+            assert tools[name].input_schema["properties"]["timeout_s"]["maximum"] == 60
+        r = await client.call_tool("run_shell_monitored", {"command": "echo x", "timeout_s": 61})
+        assert "timeout_s: Input should be less than or equal to 60" in error_text(r)
+
+    h.run(scenario)
