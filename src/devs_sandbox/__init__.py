@@ -40,6 +40,7 @@ from devs_sandbox.errors import (
     SandboxTimeoutError,
     SecretError,
     SecurityConfigError,
+    SessionLimitError,
     StoreError,
     UnsupportedRuntimeError,
 )
@@ -53,6 +54,7 @@ from devs_sandbox.models import (
     SandboxContext,
     SandboxMetrics,
     SandboxOutcome,
+    TreeSample,
     Violation,
     ViolationType,
 )
@@ -64,6 +66,14 @@ from devs_sandbox.monitor.drain import (
     check_filesystem_quota,
     check_process_quota,
 )
+from devs_sandbox.monitor.shell import (
+    MonitoredShellOptions,
+    PsutilProcessStats,
+    ScriptedProcessStats,
+    ShellResult,
+    run_shell_monitored,
+    run_shell_monitored_sync,
+)
 from devs_sandbox.scheduler import FakeScheduler, ThreadScheduler
 from devs_sandbox.security.environment import EnvironmentSanitizer
 from devs_sandbox.security.session_keys import (
@@ -71,6 +81,7 @@ from devs_sandbox.security.session_keys import (
     SessionKeyManager,
     session_key_manager,
 )
+from devs_sandbox.sessions import SandboxSessions
 from devs_sandbox.store import ViolationStore
 from devs_sandbox.timeout import (
     SandboxTimeoutEnforcer,
@@ -101,9 +112,11 @@ __all__ = [
     "InvalidSandboxIdError",
     "IsolationConfig",
     "IsolationUnavailableError",
+    "MonitoredShellOptions",
     "ProcessDriver",
     "ProcessQuotaConfig",
     "ProvisionError",
+    "PsutilProcessStats",
     "QuotaConfig",
     "QuotaExceededError",
     "QuotaViolation",
@@ -123,13 +136,18 @@ __all__ = [
     "SandboxOutcome",
     "SandboxPreFlightError",
     "SandboxRunError",
+    "SandboxSessions",
     "SandboxTimeoutEnforcer",
     "SandboxTimeoutError",
+    "ScriptedProcessStats",
     "SecretError",
     "SecurityConfigError",
     "SessionKeyManager",
+    "SessionLimitError",
+    "ShellResult",
     "StoreError",
     "ThreadScheduler",
+    "TreeSample",
     "UnsupportedRuntimeError",
     "Violation",
     "ViolationStore",
@@ -141,6 +159,8 @@ __all__ = [
     "default_timeout_enforcer",
     "load_config",
     "override",
+    "run_shell_monitored",
+    "run_shell_monitored_sync",
     "session_key_manager",
     "with_execution_timeout",
 ]

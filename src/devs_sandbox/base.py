@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from devs_sandbox.config import SandboxLifecycleConfig
-    from devs_sandbox.models import ExecResult, SandboxContext, SandboxMetrics
+    from devs_sandbox.models import ExecResult, SandboxContext, SandboxMetrics, TreeSample
 
 OutputCallback = Callable[[bytes], None]
 # Called once with the host pid of the exec's leader process, right after it was confined
@@ -88,3 +88,14 @@ class Scheduler(Protocol):
     def now(self) -> float: ...
 
     def call_later(self, delay_s: float, fn: Callable[[], None]) -> TimerHandle: ...
+
+
+class ProcessStatsSource(Protocol):
+    """Samples the process tree under one pid, for run_shell_monitored's monitor.
+
+    Stateful: CPU is a rate since the previous sample of the same tree, so the first sample
+    reports ``cpu_percent=None``. Returns ``None`` once the root process is gone. The real
+    one is ``PsutilProcessStats``; ``ScriptedProcessStats`` replays samples for tests.
+    """
+
+    def sample(self, pid: int) -> TreeSample | None: ...

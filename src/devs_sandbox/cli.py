@@ -229,6 +229,8 @@ def build_parser() -> _Parser:
     clean.add_argument("--config", type=Path, metavar="PATH")
     clean.add_argument("--json", action="store_true")
 
+    _add_mcp_parser(sub)
+
     cfg = sub.add_parser("config", help="show the configuration or its JSON Schema")
     cfg_sub = cfg.add_subparsers(dest="config_cmd", metavar="ACTION", parser_class=_Parser)
     cfg_sub.add_parser("schema", help="print the JSON Schema of devs.config.json")
@@ -482,12 +484,64 @@ def cmd_config(args: argparse.Namespace) -> int:
     raise UsageError(f"{PROG} config: choose 'schema' or 'show'", EXIT_USAGE)
 
 
+# -- mcp ----------------------------------------------------------------------------------
+MCP_INSTALL_HINT: Final = "pip install 'devs-sandbox[mcp]'"
+
+
+def _add_mcp_parser(sub: Any) -> None:
+    mcp = sub.add_parser(
+        "mcp",
+        help="serve the sandbox to agents over the Model Context Protocol",
+        description="Serve the run_shell_monitored and sandbox_* tools over stdio (default) "
+        "or streamable HTTP. Every sandbox is destroyed when the server stops.",
+    )
+    mcp.add_argument("--http", action="store_true", help="streamable HTTP instead of stdio")
+    mcp.add_argument(
+        "--host", default="127.0.0.1", help="HTTP address to bind (default: 127.0.0.1)"
+    )
+    mcp.add_argument("--port", type=_port, default=8000, help="HTTP port (default: 8000)")
+    mcp.add_argument("--config", type=Path, metavar="PATH")
+    mcp.add_argument("--db", type=Path, metavar="PATH", help="violation store (SQLite)")
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 1 <= value <= 65_535:
+        raise argparse.ArgumentTypeError(f"port must be between 1 and 65535, got {value}")
+    return value
+
+
+def cmd_mcp(args: argparse.Namespace) -> int:
+    try:
+        from devs_sandbox import mcp_server  # noqa: PLC0415 - the SDK is an optional extra
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] not in {"mcp", "mcp_types"}:
+            raise
+        raise DevsSandboxError(
+            f"the MCP server needs the MCP SDK, which is not installed: {MCP_INSTALL_HINT}"
+        ) from None
+    file_cfg = load_config(args.config)
+    if args.http and args.host not in {"127.0.0.1", "localhost", "::1"}:
+        print(
+            f"{PROG} mcp: WARNING: listening on {args.host} lets anyone who can reach it run "
+            "commands on this host; the MCP endpoint has no authentication",
+            file=sys.stderr,
+        )
+    return mcp_server.serve(
+        file_cfg, db_path=_db_path(args, file_cfg), http=args.http, host=args.host, port=args.port
+    )
+
+
 COMMANDS = {
     "run": cmd_run,
     "violations": cmd_violations,
     "doctor": cmd_doctor,
     "cleanup": cmd_cleanup,
     "config": cmd_config,
+    "mcp": cmd_mcp,
 }
 
 
@@ -502,7 +556,6 @@ def _setup_logging(level: str) -> None:
     root = logging.getLogger("devs_sandbox")
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-    root.propagate = False
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -25,6 +25,7 @@ from pydantic import (
     StrictInt,
     ValidationError,
     field_validator,
+    model_validator,
 )
 from pydantic.alias_generators import to_camel
 
@@ -44,6 +45,14 @@ DEFAULT_PROCESS_COUNT_LIMIT = 512
 DEFAULT_DIRECTORY_DEPTH_LIMIT = 20
 DEFAULT_POLL_INTERVAL_MS = 2_000
 DEFAULT_MAX_OUTPUT_BYTES = 1 * MiB
+
+# Bounds shared by ``McpConfig``, ``MonitoredShellOptions`` and the MCP tools' input schemas,
+# so a value the config file accepts is one a tool call accepts, and the other way round.
+MIN_RSS_LIMIT_BYTES = 1 * MiB  # below this even the shim and bwrap (~1-4 MiB) trip it
+MIN_POLL_INTERVAL_MS = 10
+MAX_POLL_INTERVAL_MS = 60_000
+MAX_CPU_SUSTAINED_MS = 86_400_000
+MAX_CALL_TIMEOUT_S = 86_400.0  # sandbox.timeoutMs allows one day; a call cannot outlive it
 
 # Isolation mechanisms a run may require (``sandbox.isolation.required``).
 Mechanism = Literal[
@@ -246,28 +255,48 @@ class StoreConfig(_Model):
 
 
 class McpConfig(_Model):
-    """Defaults of the MCP server's tools."""
+    """Defaults of the MCP server's tools (each call may override the run_shell_monitored and
+    sandbox_exec ones), and the life of the sandboxes agents keep between calls."""
 
-    rss_limit_bytes: Annotated[StrictInt, Field(ge=1 * MiB)] = 4 * GiB
-    """run_shell_monitored: kill when the command's process tree RSS exceeds this."""
+    rss_limit_bytes: Annotated[StrictInt, Field(ge=MIN_RSS_LIMIT_BYTES)] = 4 * GiB
+    """run_shell_monitored, sandbox_exec: kill when the command's process tree RSS exceeds this.
+    The sandbox's own memory cap (sandbox.quotas.memoryBytes) still holds underneath."""
 
-    cpu_sustained_ms: Annotated[StrictInt, Field(ge=1)] = 10_000
-    """run_shell_monitored: kill after this long at or above 100% of one core."""
+    cpu_sustained_ms: Annotated[StrictInt, Field(ge=1, le=MAX_CPU_SUSTAINED_MS)] = 10_000
+    """run_shell_monitored, sandbox_exec: kill after this long at or above 100% of one core."""
 
-    poll_interval_ms: Annotated[StrictInt, Field(ge=10, le=60_000)] = 1_000
-    """run_shell_monitored: sampling interval."""
+    poll_interval_ms: Annotated[
+        StrictInt, Field(ge=MIN_POLL_INTERVAL_MS, le=MAX_POLL_INTERVAL_MS)
+    ] = 1_000
+    """run_shell_monitored, sandbox_exec: sampling interval of the RSS and CPU monitor."""
 
-    timeout_s: Annotated[float, Field(gt=0, le=86_400)] = 300.0
+    timeout_s: Annotated[float, Field(gt=0, le=MAX_CALL_TIMEOUT_S)] = 300.0
     """run_shell_monitored and sandbox_exec: default per-call timeout."""
+
+    max_timeout_s: Annotated[float, Field(gt=0, le=MAX_CALL_TIMEOUT_S)] = 3_600.0
+    """Most an agent may ask for in a call's timeout_s; the tools refuse more. (The
+    sandbox's quotas cap memory, processes and disk whatever a call asks; time has only
+    this.)"""
 
     session_idle_timeout_s: Annotated[float, Field(gt=0, le=86_400)] = 900.0
     """Destroy an agent's sandbox after this long without a call."""
 
-    session_timeout_s: Annotated[float, Field(gt=0, le=604_800)] = 3_600.0
-    """Destroy an agent's sandbox this long after it was created, whatever it is doing."""
+    session_timeout_s: Annotated[float, Field(gt=0, le=MAX_CALL_TIMEOUT_S)] = 3_600.0
+    """Destroy an agent's sandbox this long after it was created, whatever it is doing. At most
+    one day: it is the sandbox's total timeout (sandbox.timeoutMs), which stops there."""
 
     max_sessions: Annotated[StrictInt, Field(ge=1, le=1_000)] = 16
-    """Most sandboxes one server keeps alive at once."""
+    """Most sandboxes one server keeps alive at once: the agents' sessions plus the
+    run_shell_monitored calls in flight."""
+
+    @model_validator(mode="after")
+    def _default_within_max(self) -> McpConfig:
+        if self.timeout_s > self.max_timeout_s:
+            raise ValueError(
+                f"timeoutS ({self.timeout_s:g}) must not exceed "
+                f"maxTimeoutS ({self.max_timeout_s:g})"
+            )
+        return self
 
 
 class DevsConfig(_Model):

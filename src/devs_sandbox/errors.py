@@ -22,8 +22,9 @@ are translated where they enter, with ``raise ... from exc``.
     |   +-- ImageUnavailableError                no image could be resolved or built
     |   +-- UnsupportedRuntimeError              the driver lacks the runtime a command needs
     +-- SandboxNotFoundError (KeyError)          unknown or already destroyed sandbox id
+    +-- SessionLimitError                        the MCP server already keeps mcp.maxSessions alive
     +-- ExecTimeoutError (TimeoutError)          one exec ran past its own timeout
-    +-- ResourceLimitExceededError               run_shell_monitored killed a command
+    +-- ResourceLimitExceededError               run_shell_monitored killed a command; .result
     +-- SecretError                              a secret could not be read or injected
     +-- StoreError                               the violation store failed
     +-- SandboxRunError                          a run ended abnormally; carries .outcome
@@ -101,14 +102,27 @@ class UnsupportedRuntimeError(DriverError):
 
 
 class SandboxNotFoundError(DevsSandboxError, KeyError):
-    """No live sandbox has this id (never created, or already destroyed)."""
+    """No live sandbox has this id (never created, or already destroyed); ``detail`` says what
+    became of it when that is known (destroyed by whom, expired after which timeout)."""
 
-    def __init__(self, sandbox_id: str) -> None:
-        super().__init__(f"no such sandbox: {sandbox_id!r}")
+    def __init__(self, sandbox_id: str, detail: str = "") -> None:
+        super().__init__(f"no such sandbox: {sandbox_id!r}" + (f" ({detail})" if detail else ""))
         self.sandbox_id = sandbox_id
+        self.detail = detail
 
     def __str__(self) -> str:  # KeyError would otherwise repr() the message
         return str(self.args[0])
+
+
+class SessionLimitError(DevsSandboxError):
+    """A new sandbox would exceed the most one MCP server keeps alive (``mcp.maxSessions``)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(
+            f"too many sandboxes alive: {limit} (mcp.maxSessions); destroy one with "
+            "sandbox_destroy or wait for a run to finish"
+        )
+        self.limit = limit
 
 
 class ExecTimeoutError(DevsSandboxError, TimeoutError):
@@ -121,14 +135,28 @@ class ExecTimeoutError(DevsSandboxError, TimeoutError):
 
 
 class ResourceLimitExceededError(DevsSandboxError):
-    """A monitored shell command was killed for its RSS or its sustained CPU."""
+    """A monitored shell command was killed for its RSS or its sustained CPU.
 
-    def __init__(self, pid: int, reason: str, value: float, limit: float) -> None:
+    ``pid`` is the host pid of the command's leader, ``reason`` is ``"rss"`` (``value`` and
+    ``limit`` in bytes) or ``"cpu"`` (in percent of one core); ``result`` holds what the
+    command printed before the kill, when it got that far.
+    """
+
+    def __init__(
+        self,
+        pid: int,
+        reason: str,
+        value: float,
+        limit: float,
+        *,
+        result: ExecResult | None = None,
+    ) -> None:
         super().__init__(f"Process {pid} exceeded {reason} limit: {value} > {limit}")
         self.pid = pid
         self.reason = reason
         self.value = value
         self.limit = limit
+        self.result = result
 
 
 class SecretError(DevsSandboxError):

@@ -56,6 +56,7 @@ class ViolationType(StrEnum):
     FILE_SIZE_EXCEEDED = "FILE_SIZE_EXCEEDED"
     MEMORY_EXCEEDED = "MEMORY_EXCEEDED"
     DISK_QUOTA_EXCEEDED = "DISK_QUOTA_EXCEEDED"
+    CPU_EXCEEDED = "CPU_EXCEEDED"  # run_shell_monitored: a full core for cpuSustainedMs
 
 
 class DetectionRule(StrEnum):
@@ -163,6 +164,20 @@ class SandboxMetrics:
     pids_limit_hits: int | None = None
     oom_kills: int | None = None
     running: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class TreeSample:
+    """One sample of a command's process tree (run_shell_monitored).
+
+    ``rss_bytes`` sums the resident memory of every process in the tree; ``cpu_percent`` is
+    the tree's CPU time since the previous sample over the wall time between them, where
+    100 is one core (``None`` on the first sample: no rate yet).
+    """
+
+    rss_bytes: int
+    cpu_percent: float | None
+    processes: int = 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -281,7 +281,10 @@ def test_a_crashed_owner_is_reaped_by_cleanup_and_on_next_start() -> None:
         r = run_cli(*command)
         assert r.returncode == 0, r.stderr
         if command == ["cleanup"]:
-            assert "reaped process sandbox" in r.stdout
+            # Another devs-sandbox process on this host may have reaped it first.
+            assert f"reaped process sandbox {mine[0].sandbox_id}" in r.stdout or not any(
+                ws.exists() for ws in workspaces
+            )
         assert wait_for(lambda m=marker: not processes_with(m), 5)
         for ws in workspaces:
             assert not ws.exists()

@@ -39,7 +39,7 @@ def test_revoke_zeroes_in_place_and_logs_without_the_key(caplog: pytest.LogCaptu
     key = m.generate_key()
     secret_hex = key.hex()
     m.register_key("sb-1", key)
-    with caplog.at_level(logging.DEBUG):
+    with caplog.at_level(logging.DEBUG, logger="devs_sandbox"):
         assert m.revoke_key("sb-1") is True
     assert key == bytearray(16)  # the very buffer was overwritten
     assert m.get_key("sb-1") is None and not m.has_key("sb-1")
