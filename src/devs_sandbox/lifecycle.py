@@ -369,7 +369,7 @@ class SandboxLifecycleManager:
         sandbox = self.open_sandbox(cfg, secrets=secrets)
         preflight: list[ExecResult] = []
         try:
-            self._preflight(sandbox, cfg, preflight)
+            self.run_preflight(sandbox, cfg, preflight)
             idle = None if cfg.idle_timeout_ms is None else cfg.idle_timeout_ms / 1000
             if callable(task):
                 result = task(sandbox)
@@ -390,9 +390,17 @@ class SandboxLifecycleManager:
         finally:
             sandbox.destroy()
 
-    def _preflight(
-        self, sandbox: Sandbox, cfg: SandboxLifecycleConfig, results: list[ExecResult]
+    def run_preflight(
+        self,
+        sandbox: Sandbox,
+        cfg: SandboxLifecycleConfig | None = None,
+        results: list[ExecResult] | None = None,
     ) -> None:
+        """Run ``cfg.preflight_commands`` in ``sandbox`` within their own budget; the first
+        failure raises ``SandboxPreFlightError`` (``run_in_sandbox`` does this before the
+        task; a multi-step session calls it after ``open_sandbox``)."""
+        cfg = cfg or sandbox.config
+        results = [] if results is None else results
         if not cfg.preflight_commands:
             return
         budget_end = time.monotonic() + cfg.preflight_timeout_ms / 1000

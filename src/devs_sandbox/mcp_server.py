@@ -616,7 +616,7 @@ class DevsMcpServer:
         if cfg.preflight_commands:
             try:
                 # The same preflight, budget and errors as a one-shot run.
-                self.manager._preflight(sandbox, cfg, [])
+                self.manager.run_preflight(sandbox, cfg)
             except BaseException:
                 self.sessions.end(sandbox.id, "its preflight failed")
                 raise
