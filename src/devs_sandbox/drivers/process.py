@@ -828,10 +828,14 @@ def _remove_tree(path: Path) -> list[str]:
     errors: list[str] = []
 
     def onexc(_func: object, p: str, exc: BaseException) -> None:
+        if isinstance(exc, FileNotFoundError):
+            return  # a concurrent destroy (two reapers) got there first
         # A task may leave a directory mode 000; as the same (non-root) uid we may fix it.
-        parent = Path(p).parent
-        with contextlib.suppress(OSError):
-            parent.chmod(0o700)
+        # Only inside the tree: the workspace's own parent is the shared temp directory,
+        # and chmod 0700 on /tmp would break every other user of it.
+        if Path(p) != path:
+            with contextlib.suppress(OSError):
+                Path(p).parent.chmod(0o700)
         try:
             if Path(p).is_dir() and not Path(p).is_symlink():
                 Path(p).chmod(0o700)
