@@ -24,7 +24,13 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, Literal
 
-from devs_sandbox.base import OutputCallback, SandboxDriver, StartCallback
+from devs_sandbox.base import (
+    ClosableDriver,
+    OutputCallback,
+    QuotaAwareDriver,
+    SandboxDriver,
+    StartCallback,
+)
 from devs_sandbox.config import DevsConfig, SandboxLifecycleConfig, default_db_path, override
 from devs_sandbox.drivers import create_driver
 from devs_sandbox.errors import (
@@ -34,6 +40,7 @@ from devs_sandbox.errors import (
     SandboxNotFoundError,
     SandboxPreFlightError,
     SandboxTimeoutError,
+    UnsupportedRuntimeError,
 )
 from devs_sandbox.events import EventBus, SandboxEvents
 from devs_sandbox.models import (
@@ -46,6 +53,7 @@ from devs_sandbox.models import (
     new_sandbox_id,
 )
 from devs_sandbox.monitor.drain import ResourceDrainDetector
+from devs_sandbox.runtimes import RuntimeCompatibilityChecker
 from devs_sandbox.store import ViolationStore
 from devs_sandbox.timeout import SandboxTimeoutEnforcer
 
@@ -131,11 +139,13 @@ class Sandbox:
             raise SandboxNotFoundError(self.id)
         if timeout_s is not None and timeout_s <= 0:
             raise ValueError("timeout_s must be positive")
+        argv = _argv(command)
+        self.manager.runtimes.check(self.driver, self.config, argv)
         self.last_activity = time.monotonic()
         try:
             return self.driver.exec(
                 self.context,
-                _argv(command),
+                argv,
                 timeout_s=timeout_s,
                 idle_timeout_s=idle_timeout_s,
                 stdin=stdin,
@@ -203,6 +213,7 @@ class SandboxLifecycleManager:
         if self.enforcer.bus is None:
             self.enforcer.bus = self.bus
         self.detector = detector or ResourceDrainDetector(bus=self.bus)
+        self.runtimes = RuntimeCompatibilityChecker()
         self._drivers: dict[str, SandboxDriver] = {}
         if driver is not None:
             self._drivers[driver.name] = driver
@@ -222,6 +233,31 @@ class SandboxLifecycleManager:
                 driver = create_driver(config.driver, emit=self.bus.emit)
                 self._drivers[config.driver] = driver
         return driver
+
+    def config_for(
+        self, config: SandboxLifecycleConfig, argv: Sequence[str]
+    ) -> SandboxLifecycleConfig:
+        """``config``, or its ``fallbackDriver`` variant when only that driver provides the
+        runtime ``argv`` needs; ``UnsupportedRuntimeError`` when neither does."""
+        try:
+            self.runtimes.check(self.driver_for(config), config, argv)
+        except UnsupportedRuntimeError as exc:
+            fallback = config.fallback_driver
+            if fallback is None or fallback == config.driver or self._fixed_driver is not None:
+                raise
+            alternative = override(config, driver=fallback)
+            try:
+                self.runtimes.check(self.driver_for(alternative), alternative, argv)
+            except Exception as again:
+                raise exc from again
+            logger.info(
+                "%s driver lacks the %s runtime; falling back to the %s driver",
+                config.driver,
+                exc.runtime,
+                fallback,
+            )
+            return alternative
+        return config
 
     def reap_orphans(self, driver: SandboxDriver | None = None) -> list[str]:
         """Destroy sandboxes left by dead processes (what ``devs-sandbox cleanup`` runs)."""
@@ -298,12 +334,21 @@ class SandboxLifecycleManager:
         return True
 
     def shutdown(self) -> None:
-        """Destroy every live sandbox (server stop, interpreter exit)."""
+        """Destroy every live sandbox, then release the drivers' own resources (the Docker
+        driver's OOM watcher and warm containers)."""
         for sandbox in self.live_sandboxes():
             try:
                 sandbox.destroy()
             except Exception:
                 logger.exception("destroying sandbox %s at shutdown failed", sandbox.id)
+        with self._lock:
+            drivers = list(self._drivers.values())
+        for driver in drivers:
+            if isinstance(driver, ClosableDriver):
+                try:
+                    driver.close()
+                except Exception:
+                    logger.exception("closing the %s driver failed", driver.name)
         if self.store is not None:
             self.store.close()
 
@@ -325,6 +370,8 @@ class SandboxLifecycleManager:
         when the sandbox cut it short.
         """
         cfg = config or self.config.sandbox
+        if not callable(task):
+            cfg = self.config_for(cfg, _argv(task))
         sandbox = self.open_sandbox(cfg)
         preflight: list[ExecResult] = []
         try:
@@ -449,10 +496,24 @@ class SandboxLifecycleManager:
             ms = cfg.idle_timeout_ms if idle and cfg.idle_timeout_ms else cfg.timeout_ms
             raise SandboxTimeoutError(ms, outcome, idle=idle)
         if violation is not None:
-            if violation.type == ViolationType.DISK_QUOTA_EXCEEDED:
-                raise DiskQuotaExceededError(violation, outcome)
-            raise QuotaExceededError(violation, outcome)
+            error = (
+                DiskQuotaExceededError(violation, outcome)
+                if violation.type == ViolationType.DISK_QUOTA_EXCEEDED
+                else QuotaExceededError(violation, outcome)
+            )
+            self._route_quota_error(sandbox, error)
+            raise error
         return outcome
+
+    def _route_quota_error(self, sandbox: Sandbox, error: QuotaExceededError) -> None:
+        """Hand the error to a driver with infrastructure to release for it (Docker: a full
+        workspace goes to ResourceExhaustionHandler.on_disk_quota_exceeded)."""
+        if not isinstance(sandbox.driver, QuotaAwareDriver):
+            return
+        try:
+            sandbox.driver.on_quota_exceeded(sandbox.context, error)
+        except Exception:
+            logger.exception("the %s driver failed to handle %s", sandbox.driver.name, error)
 
     async def arun_in_sandbox(
         self,

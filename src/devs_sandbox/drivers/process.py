@@ -69,6 +69,7 @@ from devs_sandbox.models import (
     new_sandbox_id,
     validate_sandbox_id,
 )
+from devs_sandbox.runtimes import RUNTIME_BINARIES
 from devs_sandbox.workspace import WorkspaceScanner
 
 logger = logging.getLogger(__name__)
@@ -215,6 +216,15 @@ class ProcessDriver:
         if uid == 0:
             report["unprivileged-user"] = "sandbox runs as root (isolation.runAsUser)"
         return report
+
+    def provided_runtimes(self, config: SandboxLifecycleConfig) -> frozenset[str] | None:
+        """Runtimes on the sandbox's PATH (the host's binaries, seen read-only)."""
+        del config  # every sandbox of this driver sees the same host binaries
+        return frozenset(
+            runtime
+            for runtime, binaries in RUNTIME_BINARIES.items()
+            if any(shutil.which(b, path=DEFAULT_PATH) for b in binaries)
+        )
 
     @staticmethod
     def check_required(report: Mapping[str, str], required: Sequence[str]) -> None:
