@@ -11,6 +11,7 @@ Public API (everything else is importable but not promised)::
 
 from devs_sandbox.config import (
     DevsConfig,
+    DockerConfig,
     IsolationConfig,
     QuotaConfig,
     SandboxLifecycleConfig,
@@ -44,6 +45,7 @@ from devs_sandbox.errors import (
     UnsupportedRuntimeError,
 )
 from devs_sandbox.events import EventBus, SandboxEvents
+from devs_sandbox.exhaustion import ResourceExhaustionHandler, SandboxManager
 from devs_sandbox.lifecycle import Sandbox, SandboxLifecycleManager
 from devs_sandbox.models import (
     CapturedStream,
@@ -64,6 +66,7 @@ from devs_sandbox.monitor.drain import (
     check_filesystem_quota,
     check_process_quota,
 )
+from devs_sandbox.runtimes import RuntimeCompatibilityChecker
 from devs_sandbox.scheduler import FakeScheduler, ThreadScheduler
 from devs_sandbox.store import ViolationStore
 from devs_sandbox.timeout import (
@@ -82,6 +85,7 @@ __all__ = [
     "DevsConfig",
     "DevsSandboxError",
     "DiskQuotaExceededError",
+    "DockerConfig",
     "DriverError",
     "DriverUnavailableError",
     "EventBus",
@@ -101,8 +105,10 @@ __all__ = [
     "QuotaExceededError",
     "QuotaViolation",
     "ResourceDrainDetector",
+    "ResourceExhaustionHandler",
     "ResourceLimitExceededError",
     "ResourceUsage",
+    "RuntimeCompatibilityChecker",
     "Sandbox",
     "SandboxCancelledError",
     "SandboxCommandError",
@@ -110,6 +116,7 @@ __all__ = [
     "SandboxEvents",
     "SandboxLifecycleConfig",
     "SandboxLifecycleManager",
+    "SandboxManager",
     "SandboxMetrics",
     "SandboxNotFoundError",
     "SandboxOutcome",
