@@ -51,12 +51,17 @@ def engine() -> Iterator[Any]:
     client.close()
 
 
+BUILT_THIS_SESSION: list[bool] = []  # whether docker_image had to build (a fresh host)
+
+
 @pytest.fixture(scope="session")
 def docker_image(engine: Any) -> str:
     """The default sandbox image, built once per machine and recipe (python3 inside)."""
     from devs_sandbox.images import ImageRebuilder
 
-    return ImageRebuilder(engine).ensure().reference
+    built = ImageRebuilder(engine).ensure()
+    BUILT_THIS_SESSION.append(not built.cached)
+    return built.reference
 
 
 @pytest.fixture

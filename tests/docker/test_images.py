@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from devs_sandbox.errors import ImageUnavailableError
-from devs_sandbox.images import ImageRebuilder, ImageResolver
+from devs_sandbox.images import ImageRebuilder, ImageRecipe, ImageResolver
 from tests.conftest import run_cli
+from tests.docker.conftest import BUILT_THIS_SESSION, SESSION
 
 pytestmark = pytest.mark.docker
 ABSENT = "devs-test-absent/never-built:1"
@@ -74,3 +77,67 @@ def test_image_build_command_is_instant_when_cached(docker_image: str) -> None:
     assert "cached" in human.stdout
     bad = run_cli("image")
     assert bad.returncode == 2 and "build" in bad.stderr
+
+
+def _recipe(**changes: Any) -> ImageRecipe:
+    data = {
+        "name": f"devs-test/rebuild-{SESSION}",
+        "suite": "bookworm",
+        "variant": "minbase",
+        "include": [],
+        "runtimes": [],
+        "prune": ["var/cache/apt/archives/*.deb", "var/lib/apt/lists/*"],
+        "mkdirs": ["workspace"],
+        "cmd": ["/bin/sh"],
+    }
+    data.update(changes)
+    return ImageRecipe.from_json(data)
+
+
+@pytest.mark.slow
+@pytest.mark.root
+def test_the_offline_build_runs_end_to_end_and_caches(
+    engine: Any, docker_image: str, tmp_path: Path
+) -> None:
+    """debootstrap, prune, import, tag; then the second ensure is a cache hit. Skipped when
+    this session already built the default image (a fresh host: the path just ran)."""
+    if BUILT_THIS_SESSION and BUILT_THIS_SESSION[0]:
+        pytest.skip("the default image was built from scratch in this session")
+    recipe = _recipe()
+    rebuilder = ImageRebuilder(engine, recipe=recipe, work_root=tmp_path)
+    phases: list[str] = []
+    try:
+        built = rebuilder.ensure(on_progress=lambda p: phases.append(p.phase))
+        assert not built.cached and built.reference == recipe.reference
+        assert phases[0] == "check" and phases[-1] == "done" and "import" in phases
+        again = rebuilder.ensure()
+        assert again.cached and again.image_id == built.image_id
+        out = engine.containers.run(
+            built.reference,
+            ["cat", "/etc/devs-sandbox-image.json"],
+            remove=True,
+            network_mode="none",
+            labels={"devs.test": SESSION},
+        )
+        assert recipe.digest.encode() in out
+        assert not list(tmp_path.glob("devs-image-build.*"))  # the build dir is gone
+    finally:
+        for tag in (recipe.reference, f"{recipe.name}:latest"):
+            with contextlib.suppress(Exception):
+                engine.images.remove(tag, force=True)
+
+
+@pytest.mark.root
+def test_an_unreachable_mirror_fails_with_the_hint_and_leaves_nothing(
+    engine: Any, tmp_path: Path
+) -> None:
+    rebuilder = ImageRebuilder(
+        engine,
+        recipe=_recipe(name=f"devs-test/broken-{SESSION}"),
+        mirror="http://devs-test.invalid/debian",
+        work_root=tmp_path,
+    )
+    with pytest.raises(ImageUnavailableError, match="DEVS_SANDBOX_DEBIAN_MIRROR"):
+        rebuilder.build()
+    assert not list(tmp_path.glob("devs-image-build.*"))
+    assert rebuilder.cached() is None
