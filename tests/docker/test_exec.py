@@ -231,6 +231,10 @@ def test_invalid_arguments(driver: Any, sandbox: Callable[..., SandboxContext]) 
         driver.exec(ctx, [])
     with pytest.raises(ValueError, match="environment"):
         driver.exec(ctx, ["true"], env={"A=B": "1"})
+    with pytest.raises(ValueError, match="null byte"):
+        driver.exec(ctx, ["echo", "a\0b"])
+    with pytest.raises(ValueError, match="null byte"):
+        driver.exec(ctx, ["true"], env={"A": "a\0b"})
     odd = driver.exec(ctx, ["sh", "-c", 'echo "$A_B"'], env={"A_B": "x y"})
     assert odd.stdout.text == "x y\n"
     # Not a shell name: the shim's dash drops it (as in the process driver), but it must not

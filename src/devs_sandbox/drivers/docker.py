@@ -523,7 +523,10 @@ def _pidfd(pid: int) -> int | None:
 def _exited(pidfd: int | None, timeout_s: float = 0.0) -> bool:
     if pidfd is None:
         return False
-    readable, _, _ = select.select([pidfd], [], [], timeout_s)
+    try:
+        readable, _, _ = select.select([pidfd], [], [], timeout_s)
+    except (OSError, ValueError):  # closed by a concurrent destroy: the sandbox is gone
+        return True
     return bool(readable)
 
 
@@ -963,9 +966,13 @@ class DockerDriver:
     ) -> ExecResult:
         if not command:
             raise ValueError("command must not be empty")
-        for name in env or {}:
+        if any("\0" in arg for arg in command):
+            raise ValueError("embedded null byte in the command")
+        for name, value in (env or {}).items():
             if not name or "=" in name or "\0" in name:
                 raise ValueError(f"invalid environment variable name {name!r}")
+            if "\0" in value:
+                raise ValueError(f"embedded null byte in environment variable {name}")
         box = self._box(ctx)
         return self._run(
             box,
