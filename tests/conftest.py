@@ -88,6 +88,15 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 # -- leak check -------------------------------------------------------------------------
+def _ours() -> set[int]:
+    try:
+        import psutil
+
+        return {os.getpid()} | {p.pid for p in psutil.Process().children(recursive=True)}
+    except Exception:
+        return {os.getpid()}
+
+
 def _foreign(sandbox_id: str) -> bool:
     """A sandbox owned by a live process outside this test session (another session on the
     same host): not ours to judge."""
@@ -96,13 +105,32 @@ def _foreign(sandbox_id: str) -> bool:
     lease = LeaseRegistry().read(sandbox_id)
     if lease is None or not lease.owner.alive():
         return False
-    try:
-        import psutil
+    return lease.owner.pid not in _ours()
 
-        ours = {os.getpid()} | {p.pid for p in psutil.Process().children(recursive=True)}
+
+def _docker_leftovers() -> set[str]:
+    """Containers labelled devs.managed=true, except those of a live owner outside this
+    session (found by their owner labels, so a lost lease file hides nothing)."""
+    try:
+        import docker
+        from devs_sandbox.drivers.docker import _owner_from_labels
+
+        client = docker.from_env(timeout=10)
+        try:
+            found = client.api.containers(all=True, filters={"label": "devs.managed=true"})
+        finally:
+            client.close()
     except Exception:
-        ours = {os.getpid()}
-    return lease.owner.pid not in ours
+        return set()
+    out: set[str] = set()
+    for c in found:
+        labels = c.get("Labels") or {}
+        owner = _owner_from_labels(labels)
+        if owner.alive() and owner.pid not in _ours():
+            continue
+        name = (c.get("Names") or ["?"])[0].lstrip("/")
+        out.add(f"container {name} ({labels.get('devs.sandbox.id')})")
+    return out
 
 
 def _leftovers() -> set[str]:
@@ -125,7 +153,7 @@ def _leftovers() -> set[str]:
         pass
     for lease in tmp.glob("devs-sandbox.leases-*/*.json"):
         found.add((lease.stem, f"lease {lease}"))
-    return {what for sandbox_id, what in found if not _foreign(sandbox_id)}
+    return {what for sandbox_id, what in found if not _foreign(sandbox_id)} | _docker_leftovers()
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -135,9 +163,9 @@ def no_leftovers() -> Iterator[None]:
     yield
     after = _leftovers() - before
     if after:
-        # A sandbox of another session may be between "lease removed" and "directory
-        # removed" while we look: only what is still there a moment later counts.
-        time.sleep(1.0)
+        # Another session's sandbox caught between its lease and its last resource vanishes
+        # within moments; ours stays. Look again before calling it a leak.
+        time.sleep(2)
         after &= _leftovers()
     assert not after, f"sandbox resources left behind: {sorted(after)}"
 

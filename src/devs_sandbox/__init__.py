@@ -11,6 +11,7 @@ Public API (everything else is importable but not promised)::
 
 from devs_sandbox.config import (
     DevsConfig,
+    DockerConfig,
     IsolationConfig,
     QuotaConfig,
     SandboxLifecycleConfig,
@@ -45,6 +46,7 @@ from devs_sandbox.errors import (
     UnsupportedRuntimeError,
 )
 from devs_sandbox.events import EventBus, SandboxEvents
+from devs_sandbox.exhaustion import ResourceExhaustionHandler, SandboxManager
 from devs_sandbox.lifecycle import Sandbox, SandboxLifecycleManager
 from devs_sandbox.models import (
     CapturedStream,
@@ -74,6 +76,7 @@ from devs_sandbox.monitor.shell import (
     run_shell_monitored,
     run_shell_monitored_sync,
 )
+from devs_sandbox.runtimes import RuntimeCompatibilityChecker
 from devs_sandbox.scheduler import FakeScheduler, ThreadScheduler
 from devs_sandbox.security.environment import EnvironmentSanitizer
 from devs_sandbox.security.session_keys import (
@@ -99,6 +102,7 @@ __all__ = [
     "DevsConfig",
     "DevsSandboxError",
     "DiskQuotaExceededError",
+    "DockerConfig",
     "DriverError",
     "DriverUnavailableError",
     "EnvironmentSanitizer",
@@ -122,8 +126,10 @@ __all__ = [
     "QuotaViolation",
     "Redactor",
     "ResourceDrainDetector",
+    "ResourceExhaustionHandler",
     "ResourceLimitExceededError",
     "ResourceUsage",
+    "RuntimeCompatibilityChecker",
     "Sandbox",
     "SandboxCancelledError",
     "SandboxCommandError",
@@ -131,6 +137,7 @@ __all__ = [
     "SandboxEvents",
     "SandboxLifecycleConfig",
     "SandboxLifecycleManager",
+    "SandboxManager",
     "SandboxMetrics",
     "SandboxNotFoundError",
     "SandboxOutcome",

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from devs_sandbox.config import SandboxLifecycleConfig
+    from devs_sandbox.errors import QuotaExceededError
     from devs_sandbox.models import ExecResult, SandboxContext, SandboxMetrics, TreeSample
 
 OutputCallback = Callable[[bytes], None]
@@ -70,6 +71,31 @@ class SandboxDriver(Protocol):
     def reap_orphans(self) -> list[str]:
         """Destroy sandboxes of this driver whose owner process is dead; return their ids."""
         ...
+
+
+# Optional capabilities: the lifecycle checks for them with isinstance, so a driver that has
+# nothing to say (the fake one) needs no stub methods.
+@runtime_checkable
+class ClosableDriver(Protocol):
+    """A driver holding process-wide resources (watcher threads, warm containers)."""
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class QuotaAwareDriver(Protocol):
+    """A driver with infrastructure to release when a run ends in a quota violation (Docker
+    routes a full workspace to its ResourceExhaustionHandler)."""
+
+    def on_quota_exceeded(self, ctx: SandboxContext, error: QuotaExceededError) -> None: ...
+
+
+@runtime_checkable
+class RuntimeProvider(Protocol):
+    """A driver that can say which runtimes (python, node, go, rust) it provides for a config;
+    None means it cannot tell."""
+
+    def provided_runtimes(self, config: SandboxLifecycleConfig) -> frozenset[str] | None: ...
 
 
 class Killable(Protocol):

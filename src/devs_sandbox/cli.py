@@ -236,6 +236,7 @@ def build_parser() -> _Parser:
     cfg_sub.add_parser("schema", help="print the JSON Schema of devs.config.json")
     show = cfg_sub.add_parser("show", help="print the effective configuration")
     show.add_argument("--config", type=Path, metavar="PATH")
+    _add_image_parser(sub)
     return parser
 
 
@@ -535,6 +536,79 @@ def cmd_mcp(args: argparse.Namespace) -> int:
     )
 
 
+# -- image ---------------------------------------------------------------------------------
+def _add_image_parser(sub: Any) -> None:
+    img = sub.add_parser("image", help="the docker driver's default sandbox image")
+    img_sub = img.add_subparsers(dest="image_cmd", metavar="ACTION", parser_class=_Parser)
+    build = img_sub.add_parser(
+        "build",
+        help="build the default image without a registry (debootstrap; root; cached)",
+        description="Build the default sandbox image from the recipe shipped with devs-sandbox "
+        "(Debian minbase with python3), offline, and cache it: a second build is instant.",
+    )
+    build.add_argument("--tag", metavar="NAME[:TAG]", help="also tag the image as NAME[:TAG]")
+    build.add_argument("--force", action="store_true", help="rebuild even if it is cached")
+    build.add_argument("--json", action="store_true", help="print one JSON object at the end")
+
+
+class _BuildProgress:
+    """One line per phase on a pipe; one line rewritten in place on a terminal."""
+
+    def __init__(self, out: IO[str]) -> None:
+        self.out = out
+        self.tty = out.isatty()
+        self.phase = ""
+        self.shown = 0
+
+    def __call__(self, p: Any) -> None:
+        line = f"[{p.elapsed_s:6.1f}s] {p.phase:<11}"
+        if p.packages:
+            line += f" {p.packages:>4} steps"
+        line += f"  {p.message}"
+        if self.tty:
+            end = "\n" if p.phase != self.phase and self.phase else ""
+            self.out.write(f"{end}\r{line[:110]:<110}")
+            if p.phase == "done":
+                self.out.write("\n")
+        elif p.phase != self.phase or p.packages - self.shown >= 50:
+            self.out.write(line + "\n")
+            self.shown = p.packages
+        self.phase = p.phase
+        self.out.flush()
+
+
+def cmd_image(args: argparse.Namespace) -> int:
+    if args.image_cmd != "build":
+        raise UsageError(f"{PROG} image: choose 'build'", EXIT_USAGE)
+    from devs_sandbox.engine import connect, docker_sdk  # noqa: PLC0415
+    from devs_sandbox.images import ImageRebuilder  # noqa: PLC0415
+
+    client = connect()
+    rebuilder = ImageRebuilder(client)
+    progress = None if args.json else _BuildProgress(sys.stderr)
+    built = (
+        rebuilder.build(on_progress=progress)
+        if args.force
+        else rebuilder.ensure(on_progress=progress)
+    )
+    payload = built.to_json()
+    if args.tag:
+        repository, tag = docker_sdk().utils.parse_repository_tag(args.tag)
+        client.images.get(built.reference).tag(repository, tag or "latest")
+        payload["tag"] = f"{repository}:{tag or 'latest'}"
+    client.close()
+    if args.json:
+        json.dump(payload, sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        how = "cached" if built.cached else f"built in {built.build_s:.1f} s"
+        size = f", {built.size_bytes / 2**20:.0f} MiB" if built.size_bytes else ""
+        print(f"{built.reference} ({built.image_id[:19]}{size}): {how}")
+        if args.tag:
+            print(f"tagged {payload['tag']}")
+    return 0
+
+
 COMMANDS = {
     "run": cmd_run,
     "violations": cmd_violations,
@@ -542,6 +616,7 @@ COMMANDS = {
     "cleanup": cmd_cleanup,
     "config": cmd_config,
     "mcp": cmd_mcp,
+    "image": cmd_image,
 }
 
 

@@ -146,8 +146,9 @@ class IsolationConfig(_Model):
     that make the kill total and the host unreachable."""
 
     run_as_user: Literal["auto", "current"] | Annotated[StrictInt, Field(ge=1)] = "auto"
-    """Uid the sandbox runs as: "auto" drops root to nobody (65534), "current" keeps the
-    caller's uid, a number picks that uid."""
+    """Uid the sandbox runs as: "auto" drops root to nobody (65534; docker: the image's own
+    non-root USER if it names one), "current" keeps the caller's uid, a number picks that
+    uid."""
 
     tmpfs_workspace: StrictBool = True
     """Mount the workspace as a tmpfs sized by quotas.diskBytes and quotas.fileCountLimit
@@ -179,6 +180,38 @@ class EnvironmentConfig(_Model):
 
     extra_deny: tuple[str, ...] = ()
     """Extra host variable names (or NAME* prefixes) never to pass through."""
+
+
+class DockerConfig(_Model):
+    """The docker driver: where its image comes from, the warm pool, container-only limits."""
+
+    default_image: str | None = None
+    """Image used when sandbox.image is null; null = the image rebuilt offline from the recipe
+    shipped with devs-sandbox (devs-sandbox/default, Debian minbase with python3)."""
+
+    fallback_images: tuple[str, ...] = ()
+    """Images tried in order, local ones only, when the requested image is neither present nor
+    pullable; after them the default image is rebuilt (see rebuildDefaultImage)."""
+
+    pull: StrictBool = True
+    """Try `docker pull` for an image that is not present locally (bounded by pullTimeoutS)."""
+
+    pull_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
+    """Most seconds one pull may take before it is abandoned: an unreachable registry may
+    fail at once (no DNS) or never answer (a dropped route)."""
+
+    rebuild_default_image: StrictBool = True
+    """As the last resort, build the default image on this host without a registry
+    (debootstrap, as root; about a minute once, then cached)."""
+
+    warm_pool_size: Annotated[StrictInt, Field(ge=0, le=64)] = 0
+    """Containers created and started ahead of time per configuration, so a run skips the
+    engine's create and start (about 250 ms); 0 disables. Runs with a fixed sandboxId never
+    take a pooled container."""
+
+    tmp_bytes: Annotated[StrictInt, Field(ge=1 * MiB, le=64 * GiB)] = 64 * MiB
+    """Size of the container's /tmp tmpfs (the root filesystem is read-only). Like the
+    workspace it lives in RAM and is charged to the memory cap."""
 
 
 class SandboxLifecycleConfig(_Model):
@@ -215,7 +248,14 @@ class SandboxLifecycleConfig(_Model):
     """Directory whose contents seed the workspace."""
 
     image: str | None = None
-    """Container image for the docker driver; null = the default image (built locally)."""
+    """Container image for the docker driver; null = docker.defaultImage."""
+
+    fallback_driver: Literal["docker"] | None = None
+    """When a command needs a runtime (python, node, go, rust) that the configured driver
+    does not provide, run it with this driver instead; null = refuse with exit 125."""
+
+    docker: DockerConfig = Field(default_factory=DockerConfig)
+    """Docker driver settings."""
 
     quotas: QuotaConfig = Field(default_factory=QuotaConfig)
     """Hard limits."""
@@ -378,11 +418,12 @@ def load_config(path: Path | str | None = None, *, cwd: Path | None = None) -> D
 
 
 def override(config: SandboxLifecycleConfig, **changes: Any) -> SandboxLifecycleConfig:
-    """A copy of ``config`` with ``changes`` (snake_case; ``quotas``/``isolation`` as dicts
-    merged into the existing ones), re-validated so an override cannot smuggle in a bad value.
+    """A copy of ``config`` with ``changes`` (snake_case; ``quotas``/``isolation``/``docker`` as
+    dicts merged into the existing ones), re-validated so an override cannot smuggle in a bad
+    value.
     """
     data = config.model_dump()
-    for key in ("quotas", "isolation"):
+    for key in ("quotas", "isolation", "docker"):
         if key in changes:
             nested = changes.pop(key)
             if isinstance(nested, BaseModel):

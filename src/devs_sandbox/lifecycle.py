@@ -24,7 +24,13 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, Literal
 
-from devs_sandbox.base import OutputCallback, SandboxDriver, StartCallback
+from devs_sandbox.base import (
+    ClosableDriver,
+    OutputCallback,
+    QuotaAwareDriver,
+    SandboxDriver,
+    StartCallback,
+)
 from devs_sandbox.config import DevsConfig, SandboxLifecycleConfig, default_db_path, override
 from devs_sandbox.drivers import create_driver
 from devs_sandbox.errors import (
@@ -34,6 +40,7 @@ from devs_sandbox.errors import (
     SandboxNotFoundError,
     SandboxPreFlightError,
     SandboxTimeoutError,
+    UnsupportedRuntimeError,
 )
 from devs_sandbox.events import EventBus, SandboxEvents
 from devs_sandbox.models import (
@@ -46,6 +53,7 @@ from devs_sandbox.models import (
     new_sandbox_id,
 )
 from devs_sandbox.monitor.drain import ResourceDrainDetector
+from devs_sandbox.runtimes import RuntimeCompatibilityChecker
 from devs_sandbox.security.environment import EnvironmentSanitizer
 from devs_sandbox.security.session_keys import (
     SESSION_KEY_NAME,
@@ -137,11 +145,13 @@ class Sandbox:
             raise SandboxNotFoundError(self.id)
         if timeout_s is not None and timeout_s <= 0:
             raise ValueError("timeout_s must be positive")
+        argv = _argv(command)
+        self.manager.runtimes.check(self.driver, self.config, argv)
         self.last_activity = time.monotonic()
         try:
             return self.driver.exec(
                 self.context,
-                _argv(command),
+                argv,
                 timeout_s=timeout_s,
                 idle_timeout_s=idle_timeout_s,
                 stdin=stdin,
@@ -211,6 +221,7 @@ class SandboxLifecycleManager:
         if self.enforcer.bus is None:
             self.enforcer.bus = self.bus
         self.detector = detector or ResourceDrainDetector(bus=self.bus)
+        self.runtimes = RuntimeCompatibilityChecker()
         self._drivers: dict[str, SandboxDriver] = {}
         if driver is not None:
             self._drivers[driver.name] = driver
@@ -236,6 +247,31 @@ class SandboxLifecycleManager:
                 driver = create_driver(config.driver, **kwargs)
                 self._drivers[config.driver] = driver
         return driver
+
+    def config_for(
+        self, config: SandboxLifecycleConfig, argv: Sequence[str]
+    ) -> SandboxLifecycleConfig:
+        """``config``, or its ``fallbackDriver`` variant when only that driver provides the
+        runtime ``argv`` needs; ``UnsupportedRuntimeError`` when neither does."""
+        try:
+            self.runtimes.check(self.driver_for(config), config, argv)
+        except UnsupportedRuntimeError as exc:
+            fallback = config.fallback_driver
+            if fallback is None or fallback == config.driver or self._fixed_driver is not None:
+                raise
+            alternative = override(config, driver=fallback)
+            try:
+                self.runtimes.check(self.driver_for(alternative), alternative, argv)
+            except Exception as again:
+                raise exc from again
+            logger.info(
+                "%s driver lacks the %s runtime; falling back to the %s driver",
+                config.driver,
+                exc.runtime,
+                fallback,
+            )
+            return alternative
+        return config
 
     def reap_orphans(self, driver: SandboxDriver | None = None) -> list[str]:
         """Destroy sandboxes left by dead processes (what ``devs-sandbox cleanup`` runs)."""
@@ -276,25 +312,28 @@ class SandboxLifecycleManager:
         the sandbox is destroyed, whatever ends it.
         """
         cfg = config or self.config.sandbox
-        if cfg.sandbox_id is None:
-            cfg = override(cfg, sandbox_id=new_sandbox_id())
-        assert cfg.sandbox_id is not None
         driver = self.driver_for(cfg)
         self._reap_once(driver)
         key = self.keys.generate_key()
-        self.keys.register_key(cfg.sandbox_id, key)
         # Our working copies are bytearrays, zeroed once the driver has taken its own.
         payload: dict[str, bytearray] = {SESSION_KEY_NAME: bytearray(key.hex().encode())}
         try:
             for name, given in (secrets or {}).items():
                 payload[name] = bytearray(given.encode() if isinstance(given, str) else given)
+            # The id is the driver's to choose (a warm pool hands out ready containers).
             ctx = driver.provision(cfg, secrets=payload)
         except BaseException:
-            self.keys.revoke_key(cfg.sandbox_id)
+            key[:] = bytes(len(key))
             raise
         finally:
             for buf in payload.values():
                 buf[:] = bytes(len(buf))
+        try:
+            self.keys.register_key(ctx.id, key)
+        except BaseException:
+            key[:] = bytes(len(key))
+            driver.destroy(ctx)
+            raise
         sandbox = Sandbox(self, driver, ctx, cfg)
         with self._lock:
             self._live[ctx.id] = sandbox
@@ -338,12 +377,21 @@ class SandboxLifecycleManager:
         return True
 
     def shutdown(self) -> None:
-        """Destroy every live sandbox (server stop, interpreter exit)."""
+        """Destroy every live sandbox, then release the drivers' own resources (the Docker
+        driver's OOM watcher and warm containers)."""
         for sandbox in self.live_sandboxes():
             try:
                 sandbox.destroy()
             except Exception:
                 logger.exception("destroying sandbox %s at shutdown failed", sandbox.id)
+        with self._lock:
+            drivers = list(self._drivers.values())
+        for driver in drivers:
+            if isinstance(driver, ClosableDriver):
+                try:
+                    driver.close()
+                except Exception:
+                    logger.exception("closing the %s driver failed", driver.name)
         if self.store is not None:
             self.store.close()
 
@@ -366,6 +414,8 @@ class SandboxLifecycleManager:
         when the sandbox cut it short.
         """
         cfg = config or self.config.sandbox
+        if not callable(task):
+            cfg = self.config_for(cfg, _argv(task))
         sandbox = self.open_sandbox(cfg, secrets=secrets)
         preflight: list[ExecResult] = []
         try:
@@ -498,10 +548,24 @@ class SandboxLifecycleManager:
             ms = cfg.idle_timeout_ms if idle and cfg.idle_timeout_ms else cfg.timeout_ms
             raise SandboxTimeoutError(ms, outcome, idle=idle)
         if violation is not None:
-            if violation.type == ViolationType.DISK_QUOTA_EXCEEDED:
-                raise DiskQuotaExceededError(violation, outcome)
-            raise QuotaExceededError(violation, outcome)
+            error = (
+                DiskQuotaExceededError(violation, outcome)
+                if violation.type == ViolationType.DISK_QUOTA_EXCEEDED
+                else QuotaExceededError(violation, outcome)
+            )
+            self._route_quota_error(sandbox, error)
+            raise error
         return outcome
+
+    def _route_quota_error(self, sandbox: Sandbox, error: QuotaExceededError) -> None:
+        """Hand the error to a driver with infrastructure to release for it (Docker: a full
+        workspace goes to ResourceExhaustionHandler.on_disk_quota_exceeded)."""
+        if not isinstance(sandbox.driver, QuotaAwareDriver):
+            return
+        try:
+            sandbox.driver.on_quota_exceeded(sandbox.context, error)
+        except Exception:
+            logger.exception("the %s driver failed to handle %s", sandbox.driver.name, error)
 
     async def arun_in_sandbox(
         self,

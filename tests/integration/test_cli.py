@@ -268,6 +268,7 @@ def test_sigterm_to_the_cli_destroys_the_sandbox() -> None:
 
 
 def test_a_crashed_owner_is_reaped_by_cleanup_and_on_next_start() -> None:
+
     for command in (["cleanup"], ["run", "--", "true"]):
         owner, marker = start_cli_sleeper()
         # Only the crashed owner's sandbox: other test sessions may share this host.
@@ -288,6 +289,7 @@ def test_a_crashed_owner_is_reaped_by_cleanup_and_on_next_start() -> None:
         assert wait_for(lambda m=marker: not processes_with(m), 5)
         for ws in workspaces:
             assert not ws.exists()
+        assert LeaseRegistry().read(mine[0].sandbox_id) is None
 
 
 def test_stdin_option_feeds_the_command(tmp_path: Path) -> None:

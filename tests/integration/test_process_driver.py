@@ -404,3 +404,28 @@ def test_on_start_reports_the_host_pid_of_the_exec() -> None:
         )
     assert r.stdout.text == "done\n"
     assert len(seen) == 1
+
+
+@pytest.mark.root
+@pytest.mark.tmpfs
+def test_a_failed_workspace_removal_never_touches_the_shared_parent(tmp_path: Path) -> None:
+    """Two reapers racing over one orphan, or a tmpfs that will not unmount, made rmtree fail
+    on the workspace itself; the old error handler then chmod'ed its parent (/tmp) to 0700,
+    which broke every sandbox (and every other user of /tmp) on the host."""
+    import stat
+
+    from devs_sandbox.drivers.process import _remove_tree
+    from devs_sandbox.isolation import mounts
+
+    tmp_path.chmod(0o1777)
+    busy = tmp_path / "devs-sandbox-busy"
+    busy.mkdir()
+    mounts.mount_tmpfs(busy, mounts.TmpfsOptions(1 << 20, 16, 0, 0))
+    try:
+        (busy / "f").write_text("x")
+        assert _remove_tree(busy)  # reported: it is still mounted
+    finally:
+        mounts.unmount(busy)
+        busy.rmdir()
+    assert _remove_tree(tmp_path / "devs-sandbox-gone") == []  # another reaper was first
+    assert stat.S_IMODE(tmp_path.stat().st_mode) == 0o1777

@@ -70,6 +70,7 @@ from devs_sandbox.models import (
     new_sandbox_id,
     validate_sandbox_id,
 )
+from devs_sandbox.runtimes import RUNTIME_BINARIES
 from devs_sandbox.security.environment import EnvironmentSanitizer
 from devs_sandbox.security.session_keys import Redactor, StreamRedactor, validate_secret_name
 from devs_sandbox.workspace import WorkspaceScanner
@@ -227,6 +228,15 @@ class ProcessDriver:
         if uid == 0:
             report["unprivileged-user"] = "sandbox runs as root (isolation.runAsUser)"
         return report
+
+    def provided_runtimes(self, config: SandboxLifecycleConfig) -> frozenset[str] | None:
+        """Runtimes on the sandbox's PATH (the host's binaries, seen read-only)."""
+        del config  # every sandbox of this driver sees the same host binaries
+        return frozenset(
+            runtime
+            for runtime, binaries in RUNTIME_BINARIES.items()
+            if any(shutil.which(b, path=DEFAULT_PATH) for b in binaries)
+        )
 
     @staticmethod
     def check_required(report: Mapping[str, str], required: Sequence[str]) -> None:
@@ -969,10 +979,14 @@ def _remove_tree(path: Path) -> list[str]:
     errors: list[str] = []
 
     def onexc(_func: object, p: str, exc: BaseException) -> None:
+        if isinstance(exc, FileNotFoundError):
+            return  # a concurrent destroy (two reapers) got there first
         # A task may leave a directory mode 000; as the same (non-root) uid we may fix it.
-        parent = Path(p).parent
-        with contextlib.suppress(OSError):
-            parent.chmod(0o700)
+        # Only inside the tree: the workspace's own parent is the shared temp directory,
+        # and chmod 0700 on /tmp would break every other user of it.
+        if Path(p) != path:
+            with contextlib.suppress(OSError):
+                Path(p).parent.chmod(0o700)
         try:
             if Path(p).is_dir() and not Path(p).is_symlink():
                 Path(p).chmod(0o700)

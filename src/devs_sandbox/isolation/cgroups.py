@@ -26,6 +26,7 @@ import errno
 import os
 import signal
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
@@ -143,12 +144,21 @@ class SandboxCgroup:
     """The cgroup(s) of one sandbox. ``create`` then ``add``; ``kill_all``; ``remove``."""
 
     def __init__(
-        self, support: CgroupSupport, sandbox_id: str, *, controllers: tuple[str, ...] | None = None
+        self,
+        support: CgroupSupport,
+        sandbox_id: str,
+        *,
+        controllers: tuple[str, ...] | None = None,
+        dirs: Mapping[str, Path] | None = None,
     ) -> None:
         """``controllers`` (v1 only) picks the hierarchies to join: each one costs a write to
         its cgroup.procs per exec, and on v1 that write takes most of a millisecond
         (cgroup_attach waits for an RCU grace period). Default: all mounted ones, which is
-        what destroy and the reaper need to find everything."""
+        what destroy and the reaper need to find everything.
+
+        ``dirs`` attaches to directories outside our layout instead (v1 controller or
+        ``"unified"`` -> path): a container's cgroups as the engine made them, or a child
+        cgroup we make inside one to find and kill a single exec's processes."""
         if not support.available:
             raise RuntimeError("cgroups unavailable: " + support.reason)
         self.support = support
@@ -157,7 +167,9 @@ class SandboxCgroup:
         # Control files read on every poll stay open: pread(fd, .., 0) re-reads a cgroup
         # file in ~1 us, open/read/close costs ~15 us, and 100 sandboxes poll them.
         self._named_fds: dict[tuple[str, str], int] = {}
-        if support.version == 2:
+        if dirs is not None:
+            self.dirs.update(dirs)
+        elif support.version == 2:
             assert support.unified is not None
             self.dirs["unified"] = support.unified / BASE_NAME / sandbox_id
         else:
@@ -246,6 +258,12 @@ class SandboxCgroup:
             period = 100_000
             _write(cpu / "cpu.cfs_period_us", str(period))
             _write(cpu / "cpu.cfs_quota_us", str(max(1000, int(limits.cpu_cores * period))))
+
+    def make_dirs(self) -> None:
+        """mkdir every directory, setting no limit: a child cgroup that only groups processes
+        (inherits the parent's limits; v1 freezer or v2 cgroup.kill reach all of it)."""
+        for d in self.paths:
+            d.mkdir()
 
     def add(self, pid: int) -> None:
         """Move ``pid`` (not yet exec'd, so it has no children) into every hierarchy."""
@@ -433,6 +451,32 @@ class SandboxCgroup:
                     self.kill_all(0.2)
                     time.sleep(0.005)
         return left
+
+
+def cgroup_dirs_of(pid: int, support: CgroupSupport) -> dict[str, Path]:
+    """The directories ``pid`` lives in, per v1 controller we know (or ``"unified"`` on v2),
+    read from /proc/<pid>/cgroup, which names them relative to our cgroup namespace (the
+    host's for a host process: a container's full path such as ``/docker/<id>``)."""
+    try:
+        text = Path(f"/proc/{pid}/cgroup").read_text()
+    except OSError:
+        return {}
+    dirs: dict[str, Path] = {}
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hierarchy, controllers, rel = parts
+        rel = rel.lstrip("/")
+        if support.version == 2:
+            if hierarchy == "0" and support.unified is not None:
+                return {"unified": support.unified / rel}
+            continue
+        for ctrl in controllers.split(","):
+            mount = support.mounts.get(ctrl)
+            if mount is not None:
+                dirs[ctrl] = mount / rel
+    return dirs
 
 
 def list_sandbox_cgroups(support: CgroupSupport) -> set[str]:
