@@ -151,7 +151,9 @@ def _leftovers() -> set[str]:
                 found.add((Path(mnt).name.removeprefix("devs-sandbox-"), f"mount {mnt}"))
     except OSError:
         pass
-    for lease in tmp.glob("devs-sandbox.leases-*/*.json"):
+    from devs_sandbox.leases import LeaseRegistry
+
+    for lease in LeaseRegistry().directory.glob("*.json"):
         found.add((lease.stem, f"lease {lease}"))
     return {what for sandbox_id, what in found if not _foreign(sandbox_id)} | _docker_leftovers()
 

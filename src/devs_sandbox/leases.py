@@ -17,7 +17,6 @@ import contextlib
 import json
 import os
 import stat
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -95,8 +94,19 @@ class Lease:
 
 
 def default_lease_dir() -> Path:
+    """One directory per user that every devs-sandbox process of that user agrees on.
+
+    It must not depend on TMPDIR: a reaper that looked in another directory would take a
+    live sandbox for a lease-less leftover. Root's sandboxes own host-wide resources
+    (cgroups, mounts), so root's leases live in /run; a user's in its runtime directory.
+    """
     uid = os.geteuid() if hasattr(os, "geteuid") else 0
-    return Path(tempfile.gettempdir()) / f"devs-sandbox.leases-{uid}"
+    if uid == 0 and Path("/run").is_dir() and os.access("/run", os.W_OK):
+        return Path("/run/devs-sandbox/leases")
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and Path(runtime).is_dir():
+        return Path(runtime) / "devs-sandbox" / "leases"
+    return Path("/tmp") / f"devs-sandbox.leases-{uid}"
 
 
 class LeaseRegistry:

@@ -30,6 +30,7 @@ pytest.importorskip("mcp")
 from mcp import Client, StdioServerParameters
 from mcp.types import CallToolResult
 
+from devs_sandbox.leases import LeaseRegistry
 from tests.integration.helpers import processes_with, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.mcp]
@@ -90,7 +91,7 @@ class Server:
         assert wait_for(lambda: not self.processes(), 15), "the server process outlived its client"
         for row in self.violation_rows():
             self.sandbox_ids.add(row["sandbox_id"])
-        leases = list(Path("/tmp").glob("devs-sandbox.leases-*/*.json"))
+        leases = list(LeaseRegistry().directory.glob("*.json"))
         owned = [
             lease
             for lease in leases

@@ -948,9 +948,14 @@ class ProcessDriver:
             if not self._destroy_resources(sandbox_id, workspace):
                 self.leases.remove(sandbox_id)
                 reaped.append(sandbox_id)
+        # Lease-less leftovers (a lease lost to a full disk, an older version): taken only
+        # when old AND idle. A live sandbox is never young-and-leaseless (its lease is
+        # written first), and one whose lease we cannot see still has processes or recent
+        # changes while it works.
         leased = {sid for sid, _ in self.leases.all()}
         with self._lock:
             mine = set(self._boxes)
+        now = time.time()
         candidates: set[str] = set()
         if self.host.cgroup.available:
             candidates |= list_sandbox_cgroups(self.host.cgroup)
@@ -958,21 +963,30 @@ class ProcessDriver:
             for p in self.workspace_root.iterdir():
                 if p.name.startswith(WORKSPACE_PREFIX) and p.is_dir() and not p.is_symlink():
                     candidates.add(p.name[len(WORKSPACE_PREFIX) :])
-        now = time.time()
         for sandbox_id in sorted(candidates - leased - mine):
             workspace = self.workspace_root / f"{WORKSPACE_PREFIX}{sandbox_id}"
-            if _age_s(workspace, now) < LEASE_GRACE_S:
+            cg = (
+                SandboxCgroup.from_paths(self.host.cgroup, sandbox_id)
+                if self.host.cgroup.available
+                else None
+            )
+            paths = [workspace, *(cg.paths if cg is not None else [])]
+            if min(_age_s(p, now) for p in paths) < LEASE_GRACE_S:
                 continue
+            if cg is not None and cg.exists() and cg.pids():
+                continue  # processes run in it: somebody's live sandbox, lease or not
             if not self._destroy_resources(sandbox_id, workspace):
                 reaped.append(sandbox_id)
         return reaped
 
 
 def _age_s(path: Path, now: float) -> float:
+    """Seconds since ``path`` last changed; a missing path is infinitely old."""
     try:
-        return now - path.lstat().st_mtime
+        st = path.lstat()
     except OSError:
         return float("inf")
+    return now - max(st.st_mtime, st.st_ctime)
 
 
 def _remove_tree(path: Path) -> list[str]:
