@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -79,12 +80,15 @@ def parse_size(text: str) -> int:
             break
     suffix = raw[-1:] if raw[-1:] in _SIZE_SUFFIXES and raw[-1:] != "" else ""
     number = raw[: len(raw) - len(suffix)] if suffix else raw
+    invalid = argparse.ArgumentTypeError(
+        f"invalid size {text!r} (use e.g. 64m, 1g, 512k or a byte count)"
+    )
     try:
         value = float(number)
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"invalid size {text!r} (use e.g. 64m, 1g, 512k or a byte count)"
-        ) from None
+        raise invalid from None
+    if not math.isfinite(value) or value * _SIZE_SUFFIXES[suffix] >= 2**63:
+        raise invalid  # inf, nan, 1e400: int() would raise OverflowError, not ValueError
     result = int(value * _SIZE_SUFFIXES[suffix])
     if result <= 0:
         raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")

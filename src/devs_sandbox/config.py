@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -145,10 +146,12 @@ class IsolationConfig(_Model):
     """Mechanisms without which a run refuses to start (exit 125); --strict adds the four
     that make the kill total and the host unreachable."""
 
-    run_as_user: Literal["auto", "current"] | Annotated[StrictInt, Field(ge=1)] = "auto"
-    """Uid the sandbox runs as: "auto" drops root to nobody (65534; docker: the image's own
-    non-root USER if it names one), "current" keeps the caller's uid, a number picks that
-    uid."""
+    run_as_user: Literal["auto", "current", "nobody"] | Annotated[StrictInt, Field(ge=1)] = "auto"
+    """Uid the sandbox runs as. "auto": as root, a uid of its own per sandbox (from
+    1600000000 up), so sandboxes cannot read or signal each other even without namespaces
+    (docker: the image's non-root USER if it names one, else nobody); otherwise the
+    caller's. "nobody": 65534 for every sandbox. "current": the caller's uid. A number:
+    that uid for every sandbox."""
 
     tmpfs_workspace: StrictBool = True
     """Mount the workspace as a tmpfs sized by quotas.diskBytes and quotas.fileCountLimit
@@ -272,8 +275,10 @@ class SandboxLifecycleConfig(_Model):
     @classmethod
     def _valid_env(cls, v: dict[str, str]) -> dict[str, str]:
         for name in v:
-            if not name or "=" in name or "\0" in name:
-                raise ValueError(f"invalid environment variable name {name!r}")
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+                raise ValueError(
+                    f"invalid environment variable name {name!r}: use letters, digits and '_'"
+                )
         for value in v.values():
             if "\0" in value:
                 raise ValueError("environment values cannot contain NUL")

@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import stat
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -132,14 +133,30 @@ class LeaseRegistry:
     def path_for(self, sandbox_id: str) -> Path:
         return self.directory / f"{sandbox_id}.json"
 
-    def write(self, lease: Lease) -> None:
+    def _stage(self, lease: Lease) -> Path:
         d = self._ensure_dir()
-        final = d / f"{lease.sandbox_id}.json"
-        tmp = d / f".{lease.sandbox_id}.{os.getpid()}.tmp"
+        tmp = d / f".{lease.sandbox_id}.{os.getpid()}.{threading.get_ident()}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump(lease.to_json(), f)
-        tmp.replace(final)
+        return tmp
+
+    def write(self, lease: Lease) -> None:
+        """Write or replace the lease (atomic rename)."""
+        self._stage(lease).replace(self.path_for(lease.sandbox_id))
+
+    def claim(self, lease: Lease) -> bool:
+        """Create the lease only if no lease exists for this id (atomic ``link``); False if
+        one does, in which case nothing was written. A provision claims before it makes
+        anything, so two processes can never both believe they own one id."""
+        tmp = self._stage(lease)
+        try:
+            os.link(tmp, self.path_for(lease.sandbox_id))
+        except FileExistsError:
+            return False
+        finally:
+            tmp.unlink()
+        return True
 
     def remove(self, sandbox_id: str) -> None:
         with contextlib.suppress(FileNotFoundError):

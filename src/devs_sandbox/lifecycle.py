@@ -140,9 +140,15 @@ class Sandbox:
         max_output_bytes: int | None = None,
         on_start: StartCallback | None = None,
     ) -> ExecResult:
-        """Run one command in this sandbox's workspace (a str goes through ``sh -c``)."""
+        """Run one command in this sandbox's workspace (a str goes through ``sh -c``).
+
+        A sandbox whose total timeout fired, that broke a quota or was cancelled runs
+        nothing more: a multi-step task is stopped at its next exec, not only the exec
+        that was running when the limit struck.
+        """
         if self._destroyed:
             raise SandboxNotFoundError(self.id)
+        self._refuse_if_ended()
         if timeout_s is not None and timeout_s <= 0:
             raise ValueError("timeout_s must be positive")
         argv = _argv(command)
@@ -163,6 +169,17 @@ class Sandbox:
             )
         finally:
             self.last_activity = time.monotonic()
+
+    def _refuse_if_ended(self) -> None:
+        if self.cancelled:
+            raise SandboxCancelledError(f"sandbox {self.id} was cancelled")
+        if self.timed_out:
+            raise SandboxTimeoutError(self.config.timeout_ms)
+        violation = self.manager.detector.violation_for(self.id, settle_timeout_s=0)
+        if violation is not None:
+            if violation.type == ViolationType.DISK_QUOTA_EXCEEDED:
+                raise DiskQuotaExceededError(violation)
+            raise QuotaExceededError(violation)
 
     def kill(self) -> None:
         """SIGKILL every process of the sandbox (what the timeout enforcer calls)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import socket
@@ -12,6 +13,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -282,10 +284,94 @@ def test_strict_refuses_when_a_required_mechanism_is_missing() -> None:
 
 
 @pytest.mark.root
-def test_sandbox_runs_as_nobody_when_we_are_root() -> None:
-    out = manager().run_in_sandbox("id -u; cat /etc/shadow >/dev/null 2>&1; echo $?", config())
-    uid, shadow_rc = out.result.stdout.text.split()
-    assert uid == "65534" and shadow_rc != "0"
+def test_each_sandbox_gets_a_uid_of_its_own_when_we_are_root() -> None:
+    from devs_sandbox.isolation import SANDBOX_UID_BASE, SANDBOX_UID_SPAN
+
+    m = manager()
+    with m.open_sandbox(config()) as a, m.open_sandbox(config()) as b:
+        ua = int(a.exec("id -u").stdout.text)
+        ub = int(b.exec("id -u").stdout.text)
+        shadow = a.exec("cat /etc/shadow >/dev/null 2>&1; echo $?").stdout.text.strip()
+    assert ua != ub
+    for uid in (ua, ub):
+        assert SANDBOX_UID_BASE <= uid < SANDBOX_UID_BASE + SANDBOX_UID_SPAN
+    assert shadow != "0"
+    nobody = m.run_in_sandbox("id -u", config(isolation={"run_as_user": "nobody"}))
+    assert nobody.result.stdout.text.strip() == "65534"
+
+
+@pytest.mark.root
+def test_without_namespaces_one_sandbox_cannot_read_another(tmp_path: Path) -> None:
+    m = manager()
+    no_ns = config(isolation={"use_bwrap": False})
+    with m.open_sandbox(no_ns, secrets={"DEPLOY_TOKEN": "victim-" + "9" * 24}) as victim:
+        victim.exec("echo private > notes.txt")
+        thief = m.run_in_sandbox(
+            [
+                "sh",
+                "-c",
+                f"cat {victim.workspace}/notes.txt {victim.workspace}/.devs-secrets/* 2>&1;"
+                f" kill -0 1 2>&1; echo rc=$?",
+            ],
+            no_ns,
+        )
+    text = thief.result.stdout.text
+    assert "private" not in text and "victim-" not in text
+    assert "Permission denied" in text
+
+
+def test_an_exec_environment_never_reaches_the_privileged_stages(tmp_path: Path) -> None:
+    """LD_PRELOAD from a task's own files must not load into the root shim or setpriv."""
+    import shutil as sh
+
+    gcc = sh.which("gcc") or sh.which("cc")
+    if gcc is None:
+        pytest.skip("no C compiler to build the probe library")
+    log = tmp_path / "preload.log"
+    log.touch()
+    log.chmod(0o666)
+    tmp_path.chmod(0o777)
+    src = tmp_path / "probe.c"
+    src.write_text(
+        "#include <stdio.h>\n#include <unistd.h>\n"
+        "__attribute__((constructor)) static void probe(void) {\n"
+        f'  FILE *f = fopen("{log}", "a");\n'
+        '  if (f) { fprintf(f, "uid=%d\\n", (int)getuid()); fclose(f); }\n}\n'
+    )
+    seed = tmp_path / "seed"
+    seed.mkdir()
+    subprocess.run([gcc, "-shared", "-fPIC", "-o", str(seed / "probe.so"), str(src)], check=True)
+    for iso in ({}, {"use_bwrap": False}):
+        manager().run_in_sandbox(
+            ["true"], config(copy_in=seed, env={"LD_PRELOAD": "./probe.so"}, isolation=iso)
+        )
+    uids = log.read_text().split()
+    assert "uid=0" not in uids, uids
+
+
+def test_a_live_sandbox_id_cannot_be_taken_over() -> None:
+    from devs_sandbox.errors import ProvisionError
+
+    m = manager()
+    with m.open_sandbox(config(sandbox_id="devs-test-reuse-1")) as first:
+        first.exec("echo mine > f")
+        other = manager()  # another driver, as another process would have: the lease decides
+        with pytest.raises(ProvisionError, match="in use"):
+            other.run_in_sandbox(["true"], config(sandbox_id="devs-test-reuse-1"))
+        assert first.exec("cat f").stdout.text == "mine\n"  # untouched
+
+
+def test_a_multi_step_task_stops_at_its_next_exec_after_the_timeout() -> None:
+    m = manager()
+
+    def task(sb: Any) -> Any:
+        sb.exec("sleep 30")  # killed by the total timeout
+        return sb.exec("echo still running")
+
+    start = time.monotonic()
+    with pytest.raises(SandboxTimeoutError):
+        m.run_in_sandbox(task, config(timeout_ms=700))
+    assert time.monotonic() - start < 15
 
 
 @pytest.mark.tmpfs
@@ -429,3 +515,66 @@ def test_a_failed_workspace_removal_never_touches_the_shared_parent(tmp_path: Pa
         busy.rmdir()
     assert _remove_tree(tmp_path / "devs-sandbox-gone") == []  # another reaper was first
     assert stat.S_IMODE(tmp_path.stat().st_mode) == 0o1777
+
+
+def test_the_reaper_never_takes_a_planted_name_for_a_sandbox(tmp_path: Path) -> None:
+    """A local user can create /tmp/devs-sandbox-.. (and backdate it): the id ".." would make
+    the hierarchy's root cgroup a "sandbox" whose processes (the whole host) get killed."""
+    from devs_sandbox.errors import InvalidSandboxIdError
+    from devs_sandbox.isolation import probe_host
+    from devs_sandbox.isolation.cgroups import SandboxCgroup
+
+    if probe_host().cgroup.available:
+        with pytest.raises(InvalidSandboxIdError):
+            SandboxCgroup(probe_host().cgroup, "..")
+    # No grace: only the id check stands between these names and the reaper.
+    driver = ProcessDriver(workspace_root=tmp_path, lease_grace_s=0)
+    planted = [tmp_path / "devs-sandbox-..", tmp_path / "devs-sandbox-a b"]
+    for p in planted:
+        p.mkdir()
+    touched: list[str] = []
+
+    def spy(sandbox_id: str, workspace: Path, cgroup: Any = None) -> list[str]:
+        # Records only: should this regress, the test must fail, not kill the host.
+        touched.append(sandbox_id)
+        return []
+
+    driver._destroy_resources = spy  # type: ignore[method-assign]
+    driver.reap_orphans()
+    assert touched == [] and all(p.exists() for p in planted)
+
+
+def test_lease_less_leftovers_are_reaped_only_when_old_and_idle(tmp_path: Path) -> None:
+    driver = ProcessDriver(workspace_root=tmp_path, lease_grace_s=1.0)
+    young = tmp_path / "devs-sandbox-devs-test-young"
+    old = tmp_path / "devs-sandbox-devs-test-old"
+    old.mkdir()
+    (old / "junk").write_text("x")
+    time.sleep(1.2)  # ctime cannot be backdated: let it age for real
+    young.mkdir()
+    reaped = driver.reap_orphans()
+    assert "devs-test-old" in reaped and not old.exists()
+    assert "devs-test-young" not in reaped and young.exists()
+    young.rmdir()
+
+
+def test_destroy_during_an_exec_leaves_no_cgroup_fd_open() -> None:
+    import os as _os
+
+    driver = ProcessDriver()
+    ctx = driver.provision(config())
+    cg_paths = ctx.labels.get("cgroup", "")
+    t = threading.Thread(target=lambda: driver.exec(ctx, ["sleep", "5"]))
+    t.start()
+    time.sleep(0.3)
+    driver.get_metrics(ctx)  # opens the cached control files
+    driver.destroy(ctx)
+    t.join(20)
+    driver.get_metrics  # noqa: B018 - nothing else may reopen them
+    open_targets = []
+    for fd in _os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            open_targets.append(_os.readlink(f"/proc/self/fd/{fd}"))
+    leaked = [t for t in open_targets if ctx.id in t and "/sys/fs/cgroup" in t]
+    assert not leaked, leaked
+    assert cg_paths  # the test was meaningful: the sandbox had cgroups

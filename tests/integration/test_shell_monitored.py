@@ -132,6 +132,20 @@ def test_the_kill_works_without_the_pid_namespace() -> None:
     assert wait_for(lambda: not processes_with(tag), 10)
 
 
+def test_a_double_forked_hog_does_not_escape_the_rss_watch() -> None:
+    """Without a pid namespace the grandchild is re-parented to the host's init: out of the
+    exec's ppid tree, but still in the sandbox's cgroup, which the monitor also watches."""
+    opts = MonitoredShellOptions(rss_limit_bytes=64 * MiB, **FAST, timeout_s=60)
+    with pytest.raises(ResourceLimitExceededError) as err:
+        run_shell_monitored_sync(
+            f"({HOG.format(mib=200)} &); sleep 30",
+            opts,
+            manager=manager(),
+            config=config(isolation={"use_bwrap": False}),
+        )
+    assert err.value.reason == "rss"
+
+
 def test_timeout_s_kills_everything_and_raises() -> None:
     tag = marker()
     opts = MonitoredShellOptions(timeout_s=1.0, **FAST)

@@ -101,3 +101,17 @@ def test_stream_redaction_survives_any_chunking(
     out += stream.flush()
     assert out == r.redact(data)
     assert secret_a not in out and secret_b not in out
+
+
+def test_a_60_kib_secret_is_redacted_across_chunks_without_a_prefix_table() -> None:
+    import os
+
+    big = os.urandom(60 * 1024)
+    r = Redactor({"BIG": big})
+    assert not hasattr(r, "_prefixes")  # memory stays linear in the secret's length
+    data = b"head " + big + b" tail " + big[: len(big) // 2]
+    stream = r.stream()
+    out = b"".join(stream.feed(data[i : i + 4096]) for i in range(0, len(data), 4096))
+    out += stream.flush()
+    assert out.startswith(b"head [REDACTED:BIG] tail ")
+    assert big not in out

@@ -1543,6 +1543,15 @@ class DockerDriver:
 
     # -- destroy --------------------------------------------------------------------------------
     # REQ: 8_RISKS-REQ-123
+    def member_pids(self, ctx: SandboxContext) -> list[int]:
+        """Host pids of every process in the container (its cgroup): what a double fork
+        re-parented to the container's init still belongs to."""
+        with self._lock:
+            box = self._boxes.get(ctx.id)
+        if box is None or box.cgroup is None:
+            return []
+        return box.cgroup.all_pids()
+
     def destroy(self, ctx: SandboxContext) -> None:
         with self._lock:
             box = self._boxes.pop(ctx.id, None)

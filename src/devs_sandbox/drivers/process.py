@@ -25,11 +25,14 @@ idempotent, works after a partial ``provision`` and after a crash (by id).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import pwd
+import re
 import resource
 import selectors
+import shlex
 import shutil
 import signal
 import subprocess
@@ -54,6 +57,8 @@ from devs_sandbox.errors import (
 from devs_sandbox.isolation import (
     NOBODY_GID,
     NOBODY_UID,
+    SANDBOX_UID_BASE,
+    SANDBOX_UID_SPAN,
     HostSupport,
     bwrap,
     drop_privileges_argv,
@@ -63,6 +68,7 @@ from devs_sandbox.isolation import (
 from devs_sandbox.isolation.cgroups import CgroupLimits, SandboxCgroup, list_sandbox_cgroups
 from devs_sandbox.leases import LEASE_GRACE_S, Lease, LeaseRegistry, Owner
 from devs_sandbox.models import (
+    SANDBOX_ID_PATTERN,
     ExecResult,
     ResourceUsage,
     SandboxContext,
@@ -89,12 +95,20 @@ SHIM: Final = (
     'shift; exec "$@"'
 )
 SHIM_NAME: Final = "devs-sandbox-shim"
+# The shim and setpriv run as root in the host's namespaces: they get this environment
+# only. The command's own (which a task's config may fill with LD_PRELOAD or
+# LD_LIBRARY_PATH pointing into its workspace) is handed over after the privilege drop:
+# to bwrap through --args on a memfd, or to a second shim that sources it from a memfd.
+PRIVILEGED_ENV: Final = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
+ENV_SHIM: Final = '. "/dev/fd/$1" || exit 125; shift; exec "$@"'
+ENV_SHIM_NAME: Final = "devs-sandbox-env"
 READ_CHUNK: Final = 65_536
 EXIT_DRAIN_GRACE_S: Final = 0.2  # after exit, how long a grandchild may keep our pipes open
 KILL_DRAIN_GRACE_S: Final = 0.5  # after a kill, how long to wait for pipes to close
 SAMPLE_INTERVAL_S: Final = 0.05  # peak process count sampling while an exec runs
 NO_PIDFD_POLL_S: Final = 0.01  # exit polling when the kernel has no pidfd (< 5.3)
 MAX_SIGNAL: Final = 64
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # what a shell can export
 SECRETS_DIR_IN_BWRAP: Final = "/tmp/.devs-secrets"  # inside bwrap's private /tmp tmpfs
 SECRETS_DIR_IN_WORKSPACE: Final = ".devs-secrets"  # fallback: in the workspace (tmpfs as root)
 MAX_SECRET_BYTES: Final = 60 * 1024  # written into a pipe before bwrap reads it: < 64 KiB
@@ -129,6 +143,8 @@ class _Box:
     scanner: WorkspaceScanner | None = None
     secrets: dict[str, bytearray] = field(default_factory=dict)
     redactor: Redactor | None = None
+    leased: bool = False  # what this provision made, so a failed one undoes only that
+    made_workspace: bool = False
     secret_paths: dict[str, str] = field(default_factory=dict)
     base_env: dict[str, str] | None = None  # computed once: host env is read at provision
 
@@ -165,6 +181,7 @@ class ProcessDriver:
         host: HostSupport | None = None,
         host_env: Mapping[str, str] | None = None,
         sanitizer: EnvironmentSanitizer | None = None,
+        lease_grace_s: float = LEASE_GRACE_S,
     ) -> None:
         self.leases = leases or LeaseRegistry()
         self.workspace_root = workspace_root or Path(tempfile.gettempdir())
@@ -172,6 +189,7 @@ class ProcessDriver:
         self._host = host
         self._host_env = host_env
         self.sanitizer = sanitizer or EnvironmentSanitizer()
+        self.lease_grace_s = lease_grace_s  # a lease-less leftover younger than this is spared
         self._boxes: dict[str, _Box] = {}
         self._lock = threading.Lock()
 
@@ -182,13 +200,24 @@ class ProcessDriver:
             self._host = probe_host()
         return self._host
 
-    def _run_as(self, config: SandboxLifecycleConfig) -> tuple[int, int]:
+    def _run_as(
+        self, config: SandboxLifecycleConfig, sandbox_id: str | None = None
+    ) -> tuple[int, int]:
+        """The sandbox's (uid, gid). As root with "auto", a uid of its own per sandbox:
+        with one shared uid, a sandbox without a mount namespace could read another's
+        workspace and secrets, and signal its processes. ``sandbox_id`` None: any such uid
+        (for reports)."""
         euid = os.geteuid()
         want = config.isolation.run_as_user
         if want == "current":
             return euid, os.getegid()
+        if want == "nobody":
+            return NOBODY_UID, NOBODY_GID
         if want == "auto":
-            return (NOBODY_UID, NOBODY_GID) if euid == 0 else (euid, os.getegid())
+            if euid != 0:
+                return euid, os.getegid()
+            uid = SANDBOX_UID_BASE if sandbox_id is None else self._sandbox_uid(sandbox_id)
+            return uid, uid
         uid = int(want)
         if euid not in (uid, 0):
             raise IsolationUnavailableError(
@@ -199,6 +228,20 @@ class ProcessDriver:
         except KeyError:
             gid = uid
         return uid, gid
+
+    def _sandbox_uid(self, sandbox_id: str) -> int:
+        """Derived from the id, re-drawn while a live lease on this host holds the same."""
+        taken = {
+            lease.resources.get("uid")
+            for _, lease in self.leases.all()
+            if lease is not None and lease.sandbox_id != sandbox_id
+        }
+        for salt in range(64):
+            digest = hashlib.sha256(f"{salt}:{sandbox_id}".encode()).digest()
+            uid = SANDBOX_UID_BASE + int.from_bytes(digest[:8], "big") % SANDBOX_UID_SPAN
+            if uid not in taken:
+                return uid
+        raise ProvisionError("no free sandbox uid (too many live sandboxes?)")
 
     def isolation_report(self, config: SandboxLifecycleConfig) -> dict[str, str]:
         """Mechanism -> "" if it will be in effect for ``config``, else the reason why not."""
@@ -260,7 +303,7 @@ class ProcessDriver:
                 raise SecretError(f"secret {name} is larger than {MAX_SECRET_BYTES} bytes")
         report = self.isolation_report(config)
         self.check_required(report, config.isolation.required)
-        uid, gid = self._run_as(config)
+        uid, gid = self._run_as(config, sandbox_id)
         active = tuple(m for m, why in report.items() if not why)
         if "cgroup" in active:
             active = tuple(
@@ -274,11 +317,12 @@ class ProcessDriver:
             if sandbox_id in self._boxes:
                 raise ProvisionError(f"sandbox {sandbox_id} already exists")
             self._boxes[sandbox_id] = box
-        ctx = SandboxContext(id=sandbox_id, driver=self.name, workspace=workspace, isolation=active)
         try:
             self._provision(box, report)
         except BaseException as exc:
-            self.destroy(ctx)
+            # Undo what this call made, and only that: when the id is another live
+            # sandbox's, its lease, cgroups and workspace are not ours to touch.
+            self._undo(box)
             if isinstance(exc, ProvisionError | IsolationUnavailableError):
                 raise
             if isinstance(exc, OSError | ValueError | DriverError):
@@ -295,18 +339,50 @@ class ProcessDriver:
             labels=labels,
         )
 
+    def _undo(self, box: _Box) -> None:
+        with self._lock:
+            if self._boxes.get(box.id) is box:
+                del self._boxes[box.id]
+        left: list[str] = []
+        if box.cgroup is not None:
+            left += box.cgroup.remove()
+        if box.mounted:
+            try:
+                mounts.unmount(box.workspace)
+            except OSError as exc:
+                left.append(str(exc))
+        if box.made_workspace:
+            left += _remove_tree(box.workspace)
+        for value in box.secrets.values():
+            value[:] = bytes(len(value))
+        if box.leased:
+            if left:
+                logger.warning("sandbox %s: could not undo %s", box.id, "; ".join(left))
+                self.leases.write(Lease(box.id, self.name, Owner(0, None, ""), str(box.workspace)))
+            else:
+                self.leases.remove(box.id)
+
     def _provision(self, box: _Box, report: Mapping[str, str]) -> None:
         cfg = box.config
         q = cfg.quotas
-        # The lease comes first, so a crash at any later step leaves a findable orphan.
-        self.leases.write(
-            Lease(
-                sandbox_id=box.id,
-                driver=self.name,
-                owner=Owner.current(),
-                workspace=str(box.workspace),
-            )
+        # The lease comes first, so a crash at any later step leaves a findable orphan;
+        # claimed, not overwritten, so a second provision of a live id fails here.
+        lease = Lease(
+            sandbox_id=box.id,
+            driver=self.name,
+            owner=Owner.current(),
+            workspace=str(box.workspace),
+            resources={"uid": box.uid},
         )
+        if not self.leases.claim(lease):
+            held = self.leases.read(box.id)
+            if held is not None and held.owner.alive():
+                raise ProvisionError(f"sandbox id {box.id} is in use by a live process")
+            raise ProvisionError(
+                f"sandbox id {box.id} was left behind by a dead process; "
+                "run `devs-sandbox cleanup` and try again"
+            )
+        box.leased = True
         try:
             box.workspace.mkdir(mode=0o700)
         except FileExistsError:
@@ -314,6 +390,7 @@ class ProcessDriver:
                 f"workspace {box.workspace} already exists (sandbox id in use? "
                 "run `devs-sandbox cleanup`)"
             ) from None
+        box.made_workspace = True
         if not report["tmpfs-workspace"]:
             # +1: the tmpfs root directory takes an inode of its own.
             mounts.mount_tmpfs(
@@ -332,7 +409,7 @@ class ProcessDriver:
             cg = SandboxCgroup(
                 self.host.cgroup, box.id, controllers=SandboxCgroup.controllers_for(limits)
             )
-            box.cgroup = cg
+            box.cgroup = cg  # before create: a half-made cgroup is ours to undo (we hold the id)
             cg.create(limits)
         if not report["pid-namespace"]:
             box.bwrap_path = self.host.bwrap_for(box.uid).path
@@ -448,7 +525,11 @@ class ProcessDriver:
         return argv
 
     def _argv(
-        self, box: _Box, command: Sequence[str], secret_fds: Mapping[str, int] | None = None
+        self,
+        box: _Box,
+        command: Sequence[str],
+        secret_fds: Mapping[str, int] | None = None,
+        args_fd: int | None = None,
     ) -> list[str]:
         if box.bwrap_path is None:
             return list(command)
@@ -460,6 +541,7 @@ class ProcessDriver:
             drop_caps=box.uid == 0,
             command=command,
             data_files={box.secret_paths[n]: fd for n, fd in (secret_fds or {}).items()},
+            args_fd=args_fd,
         )
 
     def exec(
@@ -479,33 +561,57 @@ class ProcessDriver:
         if not command:
             raise ValueError("command must not be empty")
         box = self._box(ctx)
+        for name, value in (env or {}).items():
+            if not ENV_NAME.fullmatch(name) or "\0" in value:
+                raise ValueError(f"invalid environment variable {name!r}")
         cap = box.config.max_output_bytes if max_output_bytes is None else max_output_bytes
         secret_fds = self._secret_pipes(box) if box.bwrap_path is not None else {}
+        full_env = self._env(box, env)
+        drop = self._drop_argv(box)
+        env_fd: int | None = None
+        popen_env = full_env
         try:
+            if box.bwrap_path is not None:
+                args = ["--clearenv"]
+                for k, v in full_env.items():
+                    args += ["--setenv", k, v]
+                env_fd = _memfd("devs-sandbox-bwrap-args", b"\0".join(a.encode() for a in args))
+                inner = self._argv(box, command, secret_fds, env_fd)
+                popen_env = dict(PRIVILEGED_ENV)
+            elif drop:
+                lines = [f"export {k}={shlex.quote(v)}" for k, v in full_env.items()]
+                lines.append("unset PWD")
+                env_fd = _memfd("devs-sandbox-env", ("\n".join(lines) + "\n").encode())
+                inner = ["/bin/sh", "-c", ENV_SHIM, ENV_SHIM_NAME, str(env_fd), *command]
+                popen_env = dict(PRIVILEGED_ENV)
+            else:
+                inner = self._argv(box, command, secret_fds)
             argv = [
                 "/bin/sh",
                 "-c",
                 SHIM,
                 SHIM_NAME,
                 "0" if stdin is None else "1",
-                *self._drop_argv(box),
-                *self._argv(box, command, secret_fds),
+                *drop,
+                *inner,
             ]
+            pass_fds = (*secret_fds.values(), *(() if env_fd is None else (env_fd,)))
             return self._exec(
                 box,
                 argv,
+                env=popen_env,
+                pass_fds=pass_fds,
                 secret_fds=secret_fds,
                 cap=cap,
                 timeout_s=timeout_s,
                 idle_timeout_s=idle_timeout_s,
                 stdin=stdin,
-                env=env,
                 on_stdout=on_stdout,
                 on_stderr=on_stderr,
                 on_start=on_start,
             )
         finally:
-            for fd in secret_fds.values():
+            for fd in (*secret_fds.values(), *(() if env_fd is None else (env_fd,))):
                 with contextlib.suppress(OSError):
                     os.close(fd)
 
@@ -533,12 +639,13 @@ class ProcessDriver:
         box: _Box,
         argv: list[str],
         *,
+        env: Mapping[str, str],
+        pass_fds: tuple[int, ...],
         secret_fds: Mapping[str, int],
         cap: int,
         timeout_s: float | None,
         idle_timeout_s: float | None,
         stdin: bytes | None,
-        env: Mapping[str, str] | None,
         on_stdout: OutputCallback | None,
         on_stderr: OutputCallback | None,
         on_start: StartCallback | None,
@@ -558,10 +665,10 @@ class ProcessDriver:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 cwd=box.workspace,
-                env=self._env(box, env),
+                env=dict(env),
                 start_new_session=True,
                 close_fds=True,
-                pass_fds=tuple(secret_fds.values()),
+                pass_fds=pass_fds,
             )
         except OSError as exc:
             raise DriverError(f"cannot start sandbox process: {exc}") from exc
@@ -861,6 +968,15 @@ class ProcessDriver:
             running=self._running(box),
         )
 
+    def member_pids(self, ctx: SandboxContext) -> list[int]:
+        """Every process of the sandbox (its cgroup); empty without a cgroup. Observers
+        such as run_shell_monitored add these to the exec's ppid tree."""
+        with self._lock:
+            box = self._boxes.get(ctx.id)
+        if box is None or box.cgroup is None:
+            return []
+        return box.cgroup.pids()
+
     def _running(self, box: _Box) -> bool:
         if box.cgroup is not None:
             current = box.cgroup.pids_current()
@@ -935,19 +1051,29 @@ class ProcessDriver:
         return left
 
     def reap_orphans(self) -> list[str]:
-        """Destroy sandboxes whose owner died; also lease-less leftovers past the grace."""
+        """Destroy sandboxes whose owner died; also lease-less leftovers past the grace.
+
+        Ids come from file names in shared directories, so each is validated before it
+        becomes a path (a directory named ``devs-sandbox-..`` must not make the root cgroup
+        a "sandbox"), and one bad entry never stops the rest.
+        """
         reaped: list[str] = []
         for sandbox_id, lease in self.leases.orphans():
             if lease is not None and lease.driver != self.name:
                 continue
-            workspace = (
-                Path(lease.workspace)
-                if lease is not None
-                else self.workspace_root / f"{WORKSPACE_PREFIX}{sandbox_id}"
-            )
-            if not self._destroy_resources(sandbox_id, workspace):
-                self.leases.remove(sandbox_id)
-                reaped.append(sandbox_id)
+            if not SANDBOX_ID_PATTERN.fullmatch(sandbox_id) or sandbox_id in {".", ".."}:
+                continue
+            workspace = self.workspace_root / f"{WORKSPACE_PREFIX}{sandbox_id}"
+            if lease is not None and Path(lease.workspace) != workspace:
+                workspace = Path(lease.workspace)
+                if not workspace.name.startswith(WORKSPACE_PREFIX):
+                    continue  # a lease naming a path that is not a workspace: leave it
+            try:
+                if not self._destroy_resources(sandbox_id, workspace):
+                    self.leases.remove(sandbox_id)
+                    reaped.append(sandbox_id)
+            except Exception:
+                logger.exception("reaping orphan sandbox %s failed", sandbox_id)
         # Lease-less leftovers (a lease lost to a full disk, an older version): taken only
         # when old AND idle. A live sandbox is never young-and-leaseless (its lease is
         # written first), and one whose lease we cannot see still has processes or recent
@@ -964,6 +1090,8 @@ class ProcessDriver:
                 if p.name.startswith(WORKSPACE_PREFIX) and p.is_dir() and not p.is_symlink():
                     candidates.add(p.name[len(WORKSPACE_PREFIX) :])
         for sandbox_id in sorted(candidates - leased - mine):
+            if not SANDBOX_ID_PATTERN.fullmatch(sandbox_id) or sandbox_id in {".", ".."}:
+                continue
             workspace = self.workspace_root / f"{WORKSPACE_PREFIX}{sandbox_id}"
             cg = (
                 SandboxCgroup.from_paths(self.host.cgroup, sandbox_id)
@@ -971,13 +1099,31 @@ class ProcessDriver:
                 else None
             )
             paths = [workspace, *(cg.paths if cg is not None else [])]
-            if min(_age_s(p, now) for p in paths) < LEASE_GRACE_S:
+            if min(_age_s(p, now) for p in paths) < self.lease_grace_s:
                 continue
             if cg is not None and cg.exists() and cg.pids():
                 continue  # processes run in it: somebody's live sandbox, lease or not
-            if not self._destroy_resources(sandbox_id, workspace):
-                reaped.append(sandbox_id)
+            try:
+                if not self._destroy_resources(sandbox_id, workspace):
+                    reaped.append(sandbox_id)
+            except Exception:
+                logger.exception("reaping leftover sandbox %s failed", sandbox_id)
         return reaped
+
+
+def _memfd(name: str, data: bytes) -> int:
+    """An anonymous in-memory file holding ``data``, read from offset 0 by the child
+    (never on disk, no size limit, nothing blocks the way a full pipe would)."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.lseek(fd, 0, os.SEEK_SET)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _age_s(path: Path, now: float) -> float:
@@ -990,18 +1136,21 @@ def _age_s(path: Path, now: float) -> float:
 
 
 def _remove_tree(path: Path) -> list[str]:
+    """rmtree that never follows a symlink and, as root, never chmods a path: in the
+    world-writable temp directory a local user may swap entries while we work."""
     errors: list[str] = []
+    as_root = os.geteuid() == 0
 
     def onexc(_func: object, p: str, exc: BaseException) -> None:
         if isinstance(exc, FileNotFoundError):
             return  # a concurrent destroy (two reapers) got there first
-        # A task may leave a directory mode 000; as the same (non-root) uid we may fix it.
-        # Only inside the tree: the workspace's own parent is the shared temp directory,
-        # and chmod 0700 on /tmp would break every other user of it.
-        if Path(p) != path:
-            with contextlib.suppress(OSError):
-                Path(p).parent.chmod(0o700)
+        if as_root or Path(p) == path:
+            errors.append(f"{p}: {getattr(exc, 'strerror', None) or exc}")
+            return
+        # Not root: a task may leave a directory mode 000 inside the tree; as its owner we
+        # may open it up and retry (never the workspace's parent, the shared /tmp).
         try:
+            Path(p).parent.chmod(0o700)
             if Path(p).is_dir() and not Path(p).is_symlink():
                 Path(p).chmod(0o700)
                 shutil.rmtree(p)
@@ -1012,11 +1161,14 @@ def _remove_tree(path: Path) -> list[str]:
         except OSError as again:
             errors.append(f"{p}: {again.strerror or exc}")
 
-    if path.is_symlink():
-        path.unlink()
-        return errors
-    shutil.rmtree(path, onerror=lambda f, p, e: onexc(f, p, e[1]))
-    if path.exists():
+    try:
+        if path.is_symlink():
+            path.unlink()
+            return errors
+        shutil.rmtree(path, onerror=lambda f, p, e: onexc(f, p, e[1]))
+    except OSError as exc:  # e.g. swapped for a file between our checks
+        errors.append(f"{path}: {exc}")
+    if path.exists() or path.is_symlink():
         errors.append(f"{path}: still present")
     return errors
 

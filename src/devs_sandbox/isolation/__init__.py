@@ -17,6 +17,10 @@ from devs_sandbox.isolation import bwrap, cgroups, mounts
 
 NOBODY_UID = 65534
 NOBODY_GID = 65534
+# Per-sandbox uids ("auto" as root): below 2**31, since bwrap parses uids as signed ints,
+# and far from distributions' user and subuid ranges.
+SANDBOX_UID_BASE = 1_600_000_000
+SANDBOX_UID_SPAN = 1 << 24
 
 
 @functools.cache
@@ -52,10 +56,11 @@ class HostSupport:
     rlimits: tuple[bool, str]
 
     def bwrap_for(self, uid: int) -> bwrap.BwrapSupport:
-        """bwrap as root works differently from bwrap as an unprivileged uid (user ns)."""
+        """bwrap as root works differently from bwrap as an unprivileged uid (user ns).
+        One probe stands for every unprivileged uid: they differ in nothing bwrap checks."""
         if uid == self.euid:
             return self.bwrap_root
-        return bwrap.probe(tuple(drop_privileges_argv(uid, uid)))
+        return bwrap.probe(tuple(drop_privileges_argv(SANDBOX_UID_BASE, SANDBOX_UID_BASE)))
 
 
 def _rlimits() -> tuple[bool, str]:

@@ -123,11 +123,15 @@ def build_argv(
     command: Sequence[str],
     extra_binds: Sequence[tuple[str, str]] = (),
     data_files: Mapping[str, int] | None = None,
+    args_fd: int | None = None,
 ) -> list[str]:
-    """The bwrap command line for one exec."""
+    """The bwrap command line for one exec. ``args_fd``: more arguments, NUL-separated,
+    read by bwrap from that fd (the environment as --clearenv/--setenv: off argv, and
+    never bwrap's own environment)."""
     ws = str(workspace)
     argv = [
         bwrap,
+        *(("--args", str(args_fd)) if args_fd is not None else ()),
         "--unshare-pid",
         "--unshare-ipc",
         "--unshare-uts",
@@ -170,9 +174,8 @@ def build_argv(
             argv += ["--perms", "0500", "--dir", parent]
             made_dirs.add(parent)
         argv += ["--perms", "0400", "--file", str(fd), dest]
-    # The environment is NOT passed with --setenv: argv is world-readable in
-    # /proc/<pid>/cmdline, the environment is not. bwrap hands its own (already
-    # minimal) environment to the command unchanged.
+    # The command's environment comes through --args (a memfd), never as --setenv on
+    # argv: argv is world-readable in /proc/<pid>/cmdline.
     argv += ["--chdir", ws, "--"]
     argv.extend(command)
     return argv

@@ -25,11 +25,14 @@ import contextlib
 import errno
 import os
 import signal
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
+
+from devs_sandbox.models import validate_sandbox_id
 
 BASE_NAME: Final = "devs-sandbox"
 V1_CONTROLLERS: Final = ("memory", "pids", "cpuacct", "cpu", "freezer")
@@ -161,12 +164,18 @@ class SandboxCgroup:
         cgroup we make inside one to find and kill a single exec's processes."""
         if not support.available:
             raise RuntimeError("cgroups unavailable: " + support.reason)
+        if dirs is None:
+            # The id becomes a path component under our base: ".." would be the root cgroup
+            # of the hierarchy, and kill_all would then kill the host.
+            validate_sandbox_id(sandbox_id)
         self.support = support
         self.sandbox_id = sandbox_id
         self.dirs: dict[str, Path] = {}
         # Control files read on every poll stay open: pread(fd, .., 0) re-reads a cgroup
         # file in ~1 us, open/read/close costs ~15 us, and 100 sandboxes poll them.
         self._named_fds: dict[tuple[str, str], int] = {}
+        self._fd_lock = threading.Lock()
+        self._closed = False  # set by close(): no control file is opened again
         if dirs is not None:
             self.dirs.update(dirs)
         elif support.version == 2:
@@ -280,6 +289,17 @@ class SandboxCgroup:
         except (OSError, ValueError):
             return []
 
+    def all_pids(self) -> list[int]:
+        """Pids of this cgroup and of every child cgroup under it (v1 cgroup.procs lists a
+        directory's own members only; the docker driver puts each exec in a child)."""
+        top = self._dir("pids") or self.paths[0]
+        found: list[int] = []
+        for d, _subdirs, files in os.walk(top):
+            if "cgroup.procs" in files:
+                with contextlib.suppress(OSError, ValueError):
+                    found += [int(x) for x in Path(d, "cgroup.procs").read_text().split()]
+        return found
+
     def _file(self, ctrl: str, name: str) -> Path | None:
         """The control file ``name`` of controller ``ctrl`` (v2: all in one directory)."""
         d = self._dir(ctrl)
@@ -288,22 +308,25 @@ class SandboxCgroup:
     def _read(self, ctrl: str, name: str) -> str | None:
         # Keyed by (ctrl, name): building Path objects cost more than the read itself.
         key = (ctrl, name)
-        fd = self._named_fds.get(key)
-        if fd is None:
-            path = self._file(ctrl, name)
-            if path is None:
-                return None
+        with self._fd_lock:
+            if self._closed:
+                return None  # being removed: a reopened fd would pin a dying cgroup
+            fd = self._named_fds.get(key)
+            if fd is None:
+                path = self._file(ctrl, name)
+                if path is None:
+                    return None
+                try:
+                    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                except OSError:
+                    return None
+                self._named_fds[key] = fd
             try:
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                return os.pread(fd, 4096, 0).decode()
             except OSError:
+                self._named_fds.pop(key, None)
+                os.close(fd)
                 return None
-            self._named_fds[key] = fd
-        try:
-            return os.pread(fd, 4096, 0).decode()
-        except OSError:
-            self._named_fds.pop(key, None)
-            os.close(fd)
-            return None
 
     def _int(self, ctrl: str, name: str) -> int | None:
         raw = self._read(ctrl, name)
@@ -328,8 +351,10 @@ class SandboxCgroup:
         return None
 
     def close(self) -> None:
-        """Close the cached control files (before rmdir, and when the sandbox goes)."""
-        fds, self._named_fds = self._named_fds, {}
+        """Close the cached control files for good (before rmdir, when the sandbox goes)."""
+        with self._fd_lock:
+            self._closed = True
+            fds, self._named_fds = self._named_fds, {}
         for fd in fds.values():
             with contextlib.suppress(OSError):
                 os.close(fd)

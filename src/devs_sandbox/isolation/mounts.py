@@ -22,6 +22,7 @@ from typing import Final
 MS_NOSUID: Final = 0x2
 MS_NODEV: Final = 0x4
 MNT_DETACH: Final = 0x2
+UMOUNT_NOFOLLOW: Final = 0x8  # the target may sit in a world-writable directory
 
 _libc: ctypes.CDLL | None = None
 
@@ -81,8 +82,12 @@ def mount_tmpfs(target: Path, options: TmpfsOptions) -> None:
 
 
 def unmount(target: Path) -> None:
-    """Lazy-unmount ``target``; a target that is not a mount point is fine."""
-    rc = _lib().umount2(os.fsencode(target), MNT_DETACH)
+    """Lazy-unmount ``target``; a target that is not a mount point is fine.
+
+    UMOUNT_NOFOLLOW: in /tmp a local user could swap our directory for a symlink to any
+    mount point between our checks and this call; the kernel then refuses to follow it.
+    """
+    rc = _lib().umount2(os.fsencode(target), MNT_DETACH | UMOUNT_NOFOLLOW)
     if rc != 0:
         err = ctypes.get_errno()
         # EINVAL: not a mount point; ENOENT: gone already. Both mean nothing to undo.

@@ -221,7 +221,12 @@ class PsutilProcessStats:
 
     UNREADABLE: Final = -1  # parent of a live pid we may not inspect: never in our tree
 
-    def __init__(self) -> None:
+    def __init__(self, members: Callable[[], Iterable[int]] | None = None) -> None:
+        """``members``: every pid of the command's sandbox (its cgroup), added to the ppid
+        tree with their own descendants. A double fork re-parents the grandchild to the
+        host's init (no pid namespace) or the container's: out of the tree, never out of
+        the cgroup."""
+        self._members = members
         self._parent: dict[int, int] = {}
         self._procs: dict[int, psutil.Process] = {}
         self._last: tuple[float, float] | None = None  # (monotonic time, tree CPU seconds)
@@ -261,6 +266,19 @@ class PsutilProcessStats:
             if self._parent[orphan] not in self._parent:
                 self._learn(orphan)
         tree = self._tree(pid)
+        if self._members is not None:
+            try:
+                extra = [m for m in self._members() if m in live]
+            except Exception:
+                logger.exception("listing the sandbox's processes failed")
+                extra = []
+            in_tree = set(tree)
+            for m in extra:
+                if m not in in_tree:
+                    for member in self._tree(m):
+                        if member not in in_tree:
+                            in_tree.add(member)
+                            tree.append(member)
         now = time.monotonic()
         rss = 0
         cpu_s = 0.0
@@ -544,9 +562,13 @@ def monitored_exec(
     limit, ``DriverError`` after a kill because the tree could not be sampled.
     """
     _check_command(command)
+    if stats is None:
+        member_pids = getattr(sandbox.driver, "member_pids", None)
+        members = (lambda: member_pids(sandbox.context)) if callable(member_pids) else None
+        stats = PsutilProcessStats(members)
     monitor = ShellMonitor(
         ResourcePolicy.from_options(opts),
-        stats if stats is not None else PsutilProcessStats(),
+        stats,
         sandbox.kill,
         scheduler=scheduler if scheduler is not None else monitor_scheduler(),
     )

@@ -111,8 +111,7 @@ class Redactor:
             re.compile(b"|".join(re.escape(n) for n in ordered)) if ordered else None
         )
         self.max_len = max((len(n) for n in ordered), default=0)
-        # Every proper prefix of every secret: what a chunk may end with mid-secret.
-        self._prefixes = frozenset(n[:k] for n in ordered for k in range(1, len(n)))
+        self._needles = ordered
 
     @property
     def active(self) -> bool:
@@ -132,6 +131,26 @@ class Redactor:
 
     def stream(self) -> StreamRedactor:
         return StreamRedactor(self)
+
+    def partial_tail(self, data: bytes, start: int) -> int:
+        """Length of the longest suffix of ``data[start:]`` that is a proper prefix of a
+        secret (what must wait for the next chunk). Candidates are the positions of each
+        secret's first byte near the end, so the cost follows the data, not the square of
+        a long secret's length."""
+        best = 0
+        for needle in self._needles:
+            lo = max(start, len(data) - (len(needle) - 1))
+            first = needle[0]
+            j = data.find(first, lo)
+            while j != -1:
+                tail_len = len(data) - j
+                if tail_len <= best:
+                    break  # later positions give shorter tails
+                if needle.startswith(data[j:]):
+                    best = tail_len
+                    break
+                j = data.find(first, j + 1)
+        return best
 
 
 class StreamRedactor:
@@ -158,12 +177,7 @@ class StreamRedactor:
             out += data[i : m.start()]
             out += self._r._replacements[m.group(0)]
             i = m.end()
-        hold = 0
-        for k in range(min(len(data) - i, self._r.max_len - 1), 0, -1):
-            if data[len(data) - k :] in self._r._prefixes:
-                hold = k
-                break
-        keep = len(data) - hold
+        keep = len(data) - self._r.partial_tail(data, i)
         out += data[i:keep]
         self._pending = data[keep:]
         return bytes(out)
