@@ -9,6 +9,7 @@ becomes a failure, so a broken CI host cannot silently skip the security tests.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -169,6 +170,7 @@ def no_leftovers() -> Iterator[None]:
         # within moments; ours stays. Look again before calling it a leak.
         time.sleep(2)
         after &= _leftovers()
+    shutil.rmtree(_SESSION_DIR, ignore_errors=True)
     assert not after, f"sandbox resources left behind: {sorted(after)}"
 
 
