@@ -1165,7 +1165,10 @@ def _remove_tree(path: Path) -> list[str]:
         if path.is_symlink():
             path.unlink()
             return errors
-        shutil.rmtree(path, onerror=lambda f, p, e: onexc(f, p, e[1]))
+        try:
+            path.rmdir()  # the usual case: an unmounted tmpfs leaves an empty directory
+        except OSError:
+            shutil.rmtree(path, onerror=lambda f, p, e: onexc(f, p, e[1]))
     except OSError as exc:  # e.g. swapped for a file between our checks
         errors.append(f"{path}: {exc}")
     if path.exists() or path.is_symlink():
