@@ -15,33 +15,20 @@ import pytest
 from devs_sandbox.leases import LeaseRegistry
 from devs_sandbox.store import ViolationStore
 from tests.conftest import run_cli
+from tests.contracts import RESOURCE_KEYS, RUN_JSON_KEYS
 from tests.integration.helpers import processes_with, wait_for
 
 pytestmark = pytest.mark.integration
-JSON_KEYS = {
-    "sandbox_id",
-    "driver",
-    "isolation",
-    "exit_code",
-    "stdout",
-    "stderr",
-    "stdout_truncated",
-    "stderr_truncated",
-    "duration_s",
-    "timed_out",
-    "resources",
-    "violation",
-}
 
 
 def test_run_json_prints_the_contract() -> None:
     r = run_cli("run", "--json", "--", "python3", "-c", "print(1)")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    assert set(out) >= JSON_KEYS
+    assert set(out) >= RUN_JSON_KEYS
     assert out["stdout"] == "1\n" and out["exit_code"] == 0 and out["driver"] == "process"
     assert out["violation"] is None and out["timed_out"] is False
-    assert set(out["resources"]) == {"cpu_time_s", "peak_memory_bytes", "peak_processes"}
+    assert set(out["resources"]) == RESOURCE_KEYS
     assert "rlimits" in out["isolation"]
 
 

@@ -31,6 +31,7 @@ from mcp import Client, StdioServerParameters
 from mcp.types import CallToolResult
 
 from devs_sandbox.leases import LeaseRegistry
+from tests.contracts import SHELL_OUTPUT_KEYS
 from tests.integration.helpers import processes_with, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.mcp]
@@ -148,14 +149,7 @@ def test_tools_and_schemas(tmp_path: Path) -> None:
         assert tools["sandbox_exec"].input_schema["required"] == ["sandbox_id", "command"]
         assert tools["sandbox_destroy"].input_schema["required"] == ["sandbox_id"]
         out = tools["run_shell_monitored"].output_schema
-        assert out is not None and set(out["properties"]) == {
-            "exit_code",
-            "stdout",
-            "stderr",
-            "stdout_truncated",
-            "stderr_truncated",
-            "duration_s",
-        }
+        assert out is not None and set(out["properties"]) == SHELL_OUTPUT_KEYS
 
     server.run(scenario)
     server.assert_nothing_left()

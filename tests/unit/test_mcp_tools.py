@@ -29,18 +29,12 @@ from devs_sandbox.scheduler import FakeScheduler
 from devs_sandbox.sessions import SandboxSessions
 from devs_sandbox.store import ViolationStore
 from devs_sandbox.timeout import SandboxTimeoutEnforcer
+from tests.contracts import SHELL_OUTPUT_KEYS
 
 pytestmark = [pytest.mark.unit, pytest.mark.mcp]
 PID = 31337
 PRIME = TreeSample(rss_bytes=1 << 20, cpu_percent=None)
-OUTPUT_KEYS = {
-    "exit_code",
-    "stdout",
-    "stderr",
-    "stdout_truncated",
-    "stderr_truncated",
-    "duration_s",
-}
+OUTPUT_KEYS = SHELL_OUTPUT_KEYS
 
 
 class PidDriver(FakeDriver):

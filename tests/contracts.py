@@ -1,0 +1,27 @@
+"""The documented output contracts, written down once, independently of the code."""
+
+from __future__ import annotations
+
+# `devs-sandbox run --json` (README, issue 2's CLI contract).
+RUN_JSON_KEYS = frozenset(
+    {
+        "sandbox_id",
+        "driver",
+        "isolation",
+        "exit_code",
+        "stdout",
+        "stderr",
+        "stdout_truncated",
+        "stderr_truncated",
+        "duration_s",
+        "timed_out",
+        "resources",
+        "violation",
+    }
+)
+RESOURCE_KEYS = frozenset({"cpu_time_s", "peak_memory_bytes", "peak_processes"})
+
+# The MCP tool run_shell_monitored's structured output (issue 5).
+SHELL_OUTPUT_KEYS = frozenset(
+    {"exit_code", "stdout", "stderr", "stdout_truncated", "stderr_truncated", "duration_s"}
+)
