@@ -70,3 +70,28 @@ def test_host_credentials_and_secrets_in_a_container(
     assert "[REDACTED:DEVS_SESSION_KEY]" in text and "[REDACTED:USER_TOKEN]" in text
     assert "\n400\n" in text
     assert key == bytearray(16) and not session_key_manager.has_key(out.sandbox_id)
+
+
+@pytest.mark.parametrize(
+    ("value", "first_stdin"),
+    [
+        (b"line one\nit's 'quoted' $HOME `x`\n", None),  # through the launcher's request
+        (b"bin\x00ary\xff", None),  # a NUL cannot live in a shell string: written by exec
+        (b"plain-secret-value", b"fed\n"),  # the first exec has stdin: no launcher
+    ],
+    ids=["launcher", "binary", "stdin-first"],
+)
+def test_secrets_arrive_whichever_way_the_first_exec_goes(
+    manager: SandboxLifecycleManager, value: bytes, first_stdin: bytes | None
+) -> None:
+    with manager.open_sandbox(dconfig(), secrets={"TOKEN": value}) as sb:
+        first = sb.exec(
+            ["sh", "-c", 'cat >/dev/null; od -An -tx1 "$TOKEN_FILE"; stat -c %a "$TOKEN_FILE"'],
+            stdin=first_stdin,
+        )
+        assert first.exit_code == 0, first.stderr.text
+        digits = "".join(first.stdout.text.split()[:-1])
+        assert digits == value.hex()
+        assert first.stdout.text.split()[-1] == "400"
+        again = sb.exec(["sh", "-c", 'test -r "$TOKEN_FILE" && echo ok'])
+        assert again.stdout.text == "ok\n"

@@ -363,9 +363,12 @@ def _sh_quote(text: str) -> str:
     return "'" + text.replace("'", "'\"'\"'").replace("\n", "'\"$N\"'") + "'"
 
 
-def launcher_request(nonce: str, argv: Sequence[str], env: Mapping[str, str]) -> bytes:
-    """The one line the launcher reads: ``<nonce> export ...; unset PWD; exec ARGV``."""
-    parts: list[str] = []
+def launcher_request(
+    nonce: str, argv: Sequence[str], env: Mapping[str, str], prelude: str | None = None
+) -> bytes:
+    """The one line the launcher reads: ``<nonce> [prelude;] export ...; unset PWD; exec
+    ARGV`` (``prelude``: the secrets' writer on a sandbox's first exec)."""
+    parts: list[str] = [prelude] if prelude else []
     if env:
         parts.append("export " + " ".join(f"{k}={_sh_quote(v)}" for k, v in env.items()))
     parts.append("unset PWD")
@@ -478,6 +481,7 @@ class _Box:
     secrets: dict[str, bytearray] = field(default_factory=dict)
     redactor: Redactor | None = None
     secret_env: dict[str, str] = field(default_factory=dict)
+    secrets_pending: bool = False  # written by the first exec (through the launcher if it can)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -815,12 +819,35 @@ class DockerDriver:
         return self._context(box)
 
     def _place_secrets(self, box: _Box, secrets: Mapping[str, bytes | bytearray] | None) -> None:
+        """Remember the secrets; they are written by the first exec (``_write_secrets``),
+        so a warm container costs no extra exec to receive them."""
         if not secrets:
             return
         box.secrets = {name: bytearray(value) for name, value in secrets.items()}
         box.redactor = Redactor(box.secrets)
+        box.secret_env = {f"{name}_FILE": f"{SECRETS_DIR}/{name}" for name in box.secrets}
+        box.secrets_pending = True
+
+    def _secrets_prelude(self, box: _Box) -> str | None:
+        """Shell that writes the secrets, for the launcher's one request: the values travel
+        in the request on the launcher's stdin (never argv, never the container's env),
+        and printf is a builtin. None when a value cannot live in a shell string (NUL)."""
+        if any(b"\0" in v for v in box.secrets.values()):
+            return None
+        writes = [
+            f"(umask 0277 && printf %s {_sh_quote(bytes(v).decode('utf-8', 'surrogateescape'))}"
+            f' > "$d/{name}")'
+            for name, v in box.secrets.items()
+        ]
+        return (
+            f'd={SECRETS_DIR}; mkdir -p "$d" && chmod 0700 "$d" && '
+            + " && ".join(writes)
+            + ' && chmod 0500 "$d" || exit 125'
+        )
+
+    def _write_secrets(self, box: _Box) -> None:
+        """Without the launcher: one exec per secret, the value on the exec's stdin."""
         for name, value in box.secrets.items():
-            # Only the name is an argument; the value travels on the exec's stdin.
             result = self._run(
                 box,
                 ["/bin/sh", "-c", SECRET_WRITER, "devs-sandbox-secret", name],
@@ -828,11 +855,10 @@ class DockerDriver:
                 launcher=False,
             )
             if result.exit_code != 0:
-                raise ProvisionError(
+                raise DriverError(
                     f"cannot deliver secret {name} into the container (exit {result.exit_code}): "
                     f"{result.stderr.text.strip()[-200:]}"
                 )
-            box.secret_env[f"{name}_FILE"] = f"{SECRETS_DIR}/{name}"
 
     def _context(self, box: _Box) -> SandboxContext:
         labels = {
@@ -1065,6 +1091,12 @@ class DockerDriver:
             and box.launcher_pid is not None
             and all(_SHELL_NAME.match(k) for k in extra)
         )
+        prelude: str | None = None
+        if box.secrets_pending and launcher:  # a user's exec: the secrets must be there first
+            box.secrets_pending = False
+            prelude = self._secrets_prelude(box) if through_launcher else None
+            if prelude is None:
+                self._write_secrets(box)
         if through_launcher:
             with box.lock:
                 sock, box.launcher_sock = box.launcher_sock, None
@@ -1075,7 +1107,7 @@ class DockerDriver:
         cpu_before = self._counters(box).cpu_time_s
         start = time.monotonic()
         if sock is not None:
-            ex = self._start_launcher(box, sock, command, extra)
+            ex = self._start_launcher(box, sock, command, extra, prelude)
         else:
             ex = self._start_exec(box, command, extra, stdin is not None or stdin_file is not None)
         try:
@@ -1125,11 +1157,16 @@ class DockerDriver:
         return cg
 
     def _start_launcher(
-        self, box: _Box, sock: socket.socket, command: Sequence[str], env: Mapping[str, str]
+        self,
+        box: _Box,
+        sock: socket.socket,
+        command: Sequence[str],
+        env: Mapping[str, str],
+        prelude: str | None = None,
     ) -> _Exec:
         nonce = secrets.token_hex(8)
         try:
-            sock.sendall(launcher_request(nonce, command, env))
+            sock.sendall(launcher_request(nonce, command, env, prelude))
         except OSError as exc:
             with contextlib.suppress(OSError):
                 sock.close()
