@@ -1189,7 +1189,9 @@ class DockerDriver:
     def _start_exec(
         self, box: _Box, command: Sequence[str], env: Mapping[str, str], with_stdin: bool
     ) -> _Exec:
-        argv = ["/bin/sh", "-c", SHIM, SHIM_NAME, "1" if with_stdin else "0", *command]
+        # The process driver's shim, with no cgroup to join itself (the exec is confined
+        # from outside, into a child of the container's cgroup).
+        argv = ["/bin/sh", "-c", SHIM, SHIM_NAME, "1" if with_stdin else "0", "0", *command]
 
         def missing() -> DevsSandboxError:
             return SandboxNotFoundError(box.id)

@@ -90,9 +90,17 @@ DEFAULT_PATH: Final = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/
 # command gets /dev/null); the rest is the real argv. dash's read builtin takes one
 # byte at a time from a pipe, so it never swallows the caller's data after "go".
 # PWD is the only variable dash adds to the environment.
+# $1: stdin given (1) or /dev/null (0); $2: how many cgroup v1 ``tasks`` files follow,
+# into each of which the shim writes "0" (itself). Why the shim and not the parent: a
+# parent writing a pid into cgroup.procs takes the global cgroup_threadgroup_rwsem for
+# writing, which waits for an RCU grace period (10-25 ms here whenever the lock was idle,
+# i.e. on most runs); a thread moving itself through ``tasks`` skips that lock
+# (kernel/cgroup/cgroup.c, cgroup_procs_write_start). The shim is single-threaded, so
+# its one thread is the whole process, and all it forks later inherits the cgroups.
 SHIM: Final = (
-    'read -r _ || exit 125; unset PWD; if [ "$1" = 0 ]; then shift; exec "$@" </dev/null; fi; '
-    'shift; exec "$@"'
+    "read -r _ || exit 125; s=$1; n=$2; shift 2; "
+    'while [ "$n" -gt 0 ]; do echo 0 > "$1" || exit 125; shift; n=$((n - 1)); done; '
+    'unset PWD; if [ "$s" = 0 ]; then exec "$@" </dev/null; fi; exec "$@"'
 )
 SHIM_NAME: Final = "devs-sandbox-shim"
 # The shim and setpriv run as root in the host's namespaces: they get this environment
@@ -586,12 +594,15 @@ class ProcessDriver:
                 popen_env = dict(PRIVILEGED_ENV)
             else:
                 inner = self._argv(box, command, secret_fds)
+            self_join = box.cgroup.self_join_files() if box.cgroup is not None else []
             argv = [
                 "/bin/sh",
                 "-c",
                 SHIM,
                 SHIM_NAME,
                 "0" if stdin is None else "1",
+                str(len(self_join)),
+                *self_join,
                 *drop,
                 *inner,
             ]
@@ -679,8 +690,8 @@ class ProcessDriver:
             try:
                 for res, value in self._rlimits(box):
                     resource.prlimit(proc.pid, res, (value, value))
-                if box.cgroup is not None:
-                    box.cgroup.add(proc.pid)
+                if box.cgroup is not None and not box.cgroup.self_join_files():
+                    box.cgroup.add(proc.pid)  # v2: only the parent can move it
                 os.write(proc.stdin.fileno(), b"go\n")
             except OSError as exc:
                 with contextlib.suppress(ProcessLookupError):

@@ -274,6 +274,13 @@ class SandboxCgroup:
         for d in self.paths:
             d.mkdir()
 
+    def self_join_files(self) -> list[str]:
+        """v1: the ``tasks`` files a single-threaded process writes "0" into to move itself
+        (no global lock, unlike a pid written into cgroup.procs). v2: none; ``add``."""
+        if self.support.version != 1:
+            return []
+        return [str(d / "tasks") for d in self.paths]
+
     def add(self, pid: int) -> None:
         """Move ``pid`` (not yet exec'd, so it has no children) into every hierarchy."""
         for d in self.paths:
