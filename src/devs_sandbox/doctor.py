@@ -91,10 +91,19 @@ def _docker_status() -> dict[str, Any]:
     return {"available": True, "version": version, "reason": ""}
 
 
+def _who(report: dict[str, Any]) -> str:
+    from devs_sandbox.isolation import SANDBOX_UID_BASE  # noqa: PLC0415
+
+    uid = report["sandbox_uid"]
+    if uid == SANDBOX_UID_BASE:
+        return f"a uid of their own each, from {SANDBOX_UID_BASE}"
+    return f"uid {uid}"
+
+
 def render(report: dict[str, Any]) -> str:
     lines = [
         f"devs-sandbox doctor (python {report['python']}, euid {report['euid']}, "
-        f"sandboxes run as uid {report['sandbox_uid']})",
+        f"sandboxes run as {_who(report)})",
         "",
     ]
     for name, info in report["mechanisms"].items():
@@ -103,7 +112,7 @@ def render(report: dict[str, Any]) -> str:
             if name == "cgroup":
                 detail = f"v{report['cgroup']['version']}"
             elif name.endswith("namespace"):
-                detail = f"bubblewrap {report['bwrap']['version']}".strip()
+                detail = str(report["bwrap"]["version"]).strip()
             lines.append(f"  {name:<18} yes  {detail}".rstrip())
         else:
             lines.append(f"  {name:<18} no   {info['reason']}")
