@@ -578,3 +578,17 @@ def test_destroy_during_an_exec_leaves_no_cgroup_fd_open() -> None:
     leaked = [t for t in open_targets if ctx.id in t and "/sys/fs/cgroup" in t]
     assert not leaked, leaked
     assert cg_paths  # the test was meaningful: the sandbox had cgroups
+
+
+@pytest.mark.cgroup_v2
+@pytest.mark.root
+def test_cgroup_v2_caps_memory_and_processes(db_path: Path) -> None:
+    """Runs where cgroup v2 offers memory and pids (most laptops and current distributions)."""
+    out = manager().run_in_sandbox(["true"], config())
+    assert "cgroup-v2" in out.isolation
+    with pytest.raises(QuotaExceededError) as info:
+        manager(db_path).run_in_sandbox(
+            [PY, "-c", "b = bytearray(256 * 1024 * 1024); print('survived')"],
+            config(quotas={"memory_bytes": 64 << 20}),
+        )
+    assert info.value.violation.type == "MEMORY_EXCEEDED"
