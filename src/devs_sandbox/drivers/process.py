@@ -8,15 +8,16 @@ Layers, each detected and reported (``SandboxContext.isolation``):
   and the total kill;
 - ``pid-namespace``, ``mount-namespace``, ``net-namespace`` through bubblewrap;
 - ``tmpfs-workspace`` when root: the workspace's bytes and inodes capped by the kernel;
-- ``unprivileged-user``: as root, the sandbox runs as nobody (65534).
+- ``unprivileged-user``: as root, each sandbox runs as a uid of its own.
 
 How a command starts, without ``preexec_fn`` (unsafe with our watchdog threads):
-Popen starts ``/bin/sh -c SHIM`` in a new session, as the sandbox uid, with the
-minimal environment. The shim blocks on a pipe. Meanwhile the parent sets the
-shim's rlimits with prlimit(2) and writes its pid into the sandbox cgroup; then
-it releases the pipe and the shim execs bwrap (or the command). Everything the
-command ever forks therefore inherits the limits and the cgroup: no window for a
-fork bomb to start outside them.
+Popen starts ``/bin/sh -c SHIM`` (as us, in a new session, with ``PATH`` only) and
+the shim blocks on its stdin. Meanwhile the parent sets the shim's rlimits with
+prlimit(2) (and on cgroup v2 moves it into the sandbox's cgroup), then says "go".
+The shim moves itself into the v1 cgroups, then execs setpriv (drop to the sandbox
+uid, no_new_privs), which execs bwrap (or the command); the command's environment
+crosses only after the drop. Everything the command ever forks inherits the limits
+and the cgroup: no window for a fork bomb to start outside them.
 
 Invariant: ``destroy`` leaves no process, cgroup, mount, directory or lease, is
 idempotent, works after a partial ``provision`` and after a crash (by id).
