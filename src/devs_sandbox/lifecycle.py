@@ -59,6 +59,7 @@ from devs_sandbox.security.session_keys import (
     SESSION_KEY_NAME,
     SessionKeyManager,
     session_key_manager,
+    wipe,
 )
 from devs_sandbox.store import ViolationStore
 from devs_sandbox.timeout import SandboxTimeoutEnforcer
@@ -340,15 +341,14 @@ class SandboxLifecycleManager:
             # The id is the driver's to choose (a warm pool hands out ready containers).
             ctx = driver.provision(cfg, secrets=payload)
         except BaseException:
-            key[:] = bytes(len(key))
+            wipe([key])
             raise
         finally:
-            for buf in payload.values():
-                buf[:] = bytes(len(buf))
+            wipe(payload.values())
         try:
             self.keys.register_key(ctx.id, key)
         except BaseException:
-            key[:] = bytes(len(key))
+            wipe([key])
             driver.destroy(ctx)
             raise
         sandbox = Sandbox(self, driver, ctx, cfg)

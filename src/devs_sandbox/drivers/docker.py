@@ -100,7 +100,6 @@ from devs_sandbox.errors import (
     ProvisionError,
     QuotaExceededError,
     SandboxNotFoundError,
-    SecretError,
     SecurityConfigError,
 )
 from devs_sandbox.exhaustion import DockerOomEvents, ResourceExhaustionHandler, SandboxManager
@@ -122,7 +121,7 @@ from devs_sandbox.models import (
     new_sandbox_id,
     validate_sandbox_id,
 )
-from devs_sandbox.security.session_keys import Redactor, StreamRedactor, validate_secret_name
+from devs_sandbox.security.session_keys import Redactor, StreamRedactor, validate_secrets, wipe
 from devs_sandbox.workspace import WorkspaceScanner
 
 if TYPE_CHECKING:
@@ -158,7 +157,6 @@ POOL_MAX_SHAPES: Final = 4  # configurations kept warm at once; the least recent
 REMOVE_FLUSH_S: Final = 60.0  # close() waits this long for background removals
 COPY_SPOOL_BYTES: Final = 8 * 1024 * 1024  # copy-in tar kept in memory below this
 SECRETS_DIR: Final = "/tmp/.devs-secrets"  # in the container's private /tmp tmpfs
-MAX_SECRET_BYTES: Final = 60 * 1024
 # Writes stdin to $SECRETS_DIR/$1, 0400, in a 0500 directory (made writable for the
 # moment of the write only).
 SECRET_WRITER: Final = (
@@ -762,10 +760,7 @@ class DockerDriver:
         ``docker inspect`` cannot show them."""
         if self._closed:
             raise DriverError("the docker driver was closed")
-        for name, value in (secrets or {}).items():
-            validate_secret_name(name)
-            if len(value) > MAX_SECRET_BYTES:
-                raise SecretError(f"secret {name} is larger than {MAX_SECRET_BYTES} bytes")
+        validate_secrets(secrets)
         requested = validate_sandbox_id(config.sandbox_id) if config.sandbox_id else None
         report = self.isolation_report(config)
         missing: dict[str, str] = {}
@@ -1597,8 +1592,7 @@ class DockerDriver:
         if box is None:
             self._remove_by_id(ctx.id, ctx.workspace, ctx.labels.get("container_id") or None)
             return
-        for value in box.secrets.values():
-            value[:] = bytes(len(value))  # best effort: see security/session_keys.py
+        wipe(box.secrets.values())
         box.secrets.clear()
         with box.lock:
             sock, box.launcher_sock, box.launcher_keep = box.launcher_sock, None, None

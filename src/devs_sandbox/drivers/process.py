@@ -53,7 +53,6 @@ from devs_sandbox.errors import (
     IsolationUnavailableError,
     ProvisionError,
     SandboxNotFoundError,
-    SecretError,
 )
 from devs_sandbox.isolation import (
     NOBODY_GID,
@@ -79,7 +78,7 @@ from devs_sandbox.models import (
 )
 from devs_sandbox.runtimes import RUNTIME_BINARIES
 from devs_sandbox.security.environment import EnvironmentSanitizer
-from devs_sandbox.security.session_keys import Redactor, StreamRedactor, validate_secret_name
+from devs_sandbox.security.session_keys import Redactor, StreamRedactor, validate_secrets, wipe
 from devs_sandbox.workspace import WorkspaceScanner
 
 logger = logging.getLogger(__name__)
@@ -120,7 +119,6 @@ MAX_SIGNAL: Final = 64
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # what a shell can export
 SECRETS_DIR_IN_BWRAP: Final = "/tmp/.devs-secrets"  # inside bwrap's private /tmp tmpfs
 SECRETS_DIR_IN_WORKSPACE: Final = ".devs-secrets"  # fallback: in the workspace (tmpfs as root)
-MAX_SECRET_BYTES: Final = 60 * 1024  # written into a pipe before bwrap reads it: < 64 KiB
 
 MECHANISMS: Final = (
     "rlimits",
@@ -306,10 +304,7 @@ class ProcessDriver:
         """Create the sandbox. ``secrets`` (name -> value) reach it as files whose paths are
         in ``NAME_FILE``, never as argv or environment; they are redacted from its output."""
         sandbox_id = validate_sandbox_id(config.sandbox_id or new_sandbox_id())
-        for name, value in (secrets or {}).items():
-            validate_secret_name(name)
-            if len(value) > MAX_SECRET_BYTES:
-                raise SecretError(f"secret {name} is larger than {MAX_SECRET_BYTES} bytes")
+        validate_secrets(secrets)
         report = self.isolation_report(config)
         self.check_required(report, config.isolation.required)
         uid, gid = self._run_as(config, sandbox_id)
@@ -362,8 +357,7 @@ class ProcessDriver:
                 left.append(str(exc))
         if box.made_workspace:
             left += _remove_tree(box.workspace)
-        for value in box.secrets.values():
-            value[:] = bytes(len(value))
+        wipe(box.secrets.values())
         if box.leased:
             if left:
                 logger.warning("sandbox %s: could not undo %s", box.id, "; ".join(left))
@@ -1028,8 +1022,7 @@ class ProcessDriver:
             for p in procs:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(p.pid, signal.SIGKILL)
-            for value in box.secrets.values():
-                value[:] = bytes(len(value))  # best effort: see security/session_keys.py
+            wipe(box.secrets.values())
             box.secrets.clear()
         leftovers = self._destroy_resources(
             ctx.id, ctx.workspace, box.cgroup if box is not None else None

@@ -36,6 +36,8 @@ logger = logging.getLogger(__name__)
 
 SESSION_KEY_NAME: Final = "DEVS_SESSION_KEY"
 SESSION_KEY_BYTES: Final = 16
+# Drivers may write a secret into a pipe before its reader starts: stay under 64 KiB.
+MAX_SECRET_BYTES: Final = 60 * 1024
 MIN_REDACT_LEN: Final = 4  # shorter "secrets" would shred ordinary output
 SECRET_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 
@@ -46,6 +48,20 @@ def validate_secret_name(name: str) -> str:
             f"invalid secret name {name!r}: use letters, digits and '_', not starting with a digit"
         )
     return name
+
+
+def validate_secrets(secrets: Mapping[str, bytes | bytearray] | None) -> None:
+    """What every driver checks before it accepts secrets: names and sizes."""
+    for name, value in (secrets or {}).items():
+        validate_secret_name(name)
+        if len(value) > MAX_SECRET_BYTES:
+            raise SecretError(f"secret {name} is larger than {MAX_SECRET_BYTES} bytes")
+
+
+def wipe(buffers: Iterable[bytearray]) -> None:
+    """Overwrite each buffer with zeros in place (best effort: see the module docstring)."""
+    for buf in buffers:
+        buf[:] = bytes(len(buf))
 
 
 class SessionKeyManager:
@@ -80,7 +96,7 @@ class SessionKeyManager:
             key = self._keys.pop(sandbox_id, None)
         if key is None:
             return False
-        key[:] = bytes(len(key))
+        wipe([key])
         logger.info(
             json.dumps({"event": "session_key_rotated", "sandbox_id": sandbox_id}),
             extra={"event": "session_key_rotated", "sandbox_id": sandbox_id},
