@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -31,7 +30,7 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 
 from devs_sandbox.errors import ConfigError
-from devs_sandbox.models import validate_sandbox_id
+from devs_sandbox.models import ENV_NAME, validate_sandbox_id
 
 CONFIG_FILE_NAME = "devs.config.json"
 SCHEMA_FILE_NAME = "devs.config.json.schema"
@@ -275,7 +274,7 @@ class SandboxLifecycleConfig(_Model):
     @classmethod
     def _valid_env(cls, v: dict[str, str]) -> dict[str, str]:
         for name in v:
-            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            if not ENV_NAME.fullmatch(name):
                 raise ValueError(
                     f"invalid environment variable name {name!r}: use letters, digits and '_'"
                 )

@@ -20,6 +20,8 @@ from devs_sandbox.errors import InvalidSandboxIdError, SandboxCommandError
 # The id becomes a directory name, a cgroup name and a Docker label: keep it to a
 # charset that is inert in all three (and in SQL, though we only bind parameters).
 SANDBOX_ID_PATTERN = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+# An environment variable a POSIX shell can export (the process driver exports them).
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def validate_sandbox_id(sandbox_id: str) -> str:

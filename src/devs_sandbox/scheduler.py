@@ -131,13 +131,20 @@ class FakeScheduler:
             return sum(1 for e in self._heap if not e.cancelled)
 
 
-_default: ThreadScheduler | None = None
-_default_lock = threading.Lock()
+_shared: dict[str, ThreadScheduler] = {}
+_shared_lock = threading.Lock()
+
+
+def shared_scheduler(name: str) -> ThreadScheduler:
+    """The process-wide scheduler thread called ``name``, made on first use. Different
+    duties get different threads, so that one slow callback never delays another's."""
+    with _shared_lock:
+        scheduler = _shared.get(name)
+        if scheduler is None:
+            scheduler = _shared[name] = ThreadScheduler(name)
+        return scheduler
 
 
 def default_scheduler() -> ThreadScheduler:
-    global _default  # noqa: PLW0603 - one scheduler thread per process
-    with _default_lock:
-        if _default is None:
-            _default = ThreadScheduler()
-        return _default
+    """The timers' thread (timeout enforcement)."""
+    return shared_scheduler("devs-sandbox-scheduler")

@@ -122,9 +122,8 @@ class WorkspaceScanner:
             return None
         return (st.f_files - st.f_ffree, st.f_blocks - st.f_bfree, mtime)
 
-    def scan(self, *, need_count: bool = True) -> ScanResult | None:
+    def scan(self) -> ScanResult | None:
         """One tick's worth of measuring; ``None`` if the workspace is gone."""
-        del need_count  # the walk counts anyway; callers prefer statvfs when they have it
         self._ticks_since_full += 1
         self._ticks_since_walk += 1
         fp = self._fp()

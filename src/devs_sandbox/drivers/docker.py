@@ -53,7 +53,6 @@ import json
 import logging
 import os
 import queue
-import re
 import secrets
 import select
 import selectors
@@ -83,6 +82,7 @@ from devs_sandbox.drivers.process import (
     SHIM,
     SHIM_NAME,
 )
+from devs_sandbox.drivers.process import MECHANISMS as PROCESS_MECHANISMS
 from devs_sandbox.engine import (
     ENGINE_TIMEOUT_S,
     connect,
@@ -114,6 +114,7 @@ from devs_sandbox.isolation.cgroups import (
 )
 from devs_sandbox.leases import Lease, LeaseRegistry, Owner
 from devs_sandbox.models import (
+    ENV_NAME,
     ExecResult,
     ResourceUsage,
     SandboxContext,
@@ -183,14 +184,9 @@ _FORBIDDEN_KEYS: Final = (
 )
 _HOST_NAMESPACE_KEYS: Final = ("PidMode", "IpcMode", "UTSMode", "UsernsMode", "CgroupnsMode")
 
+# The process driver's mechanisms (same names, same meaning), then the engine's own.
 MECHANISMS: Final = (
-    "rlimits",
-    "cgroup",
-    "pid-namespace",
-    "mount-namespace",
-    "net-namespace",
-    "tmpfs-workspace",
-    "unprivileged-user",
+    *PROCESS_MECHANISMS,
     "cap-drop-all",
     "no-new-privileges",
     "read-only-rootfs",
@@ -211,7 +207,6 @@ printf '\000devs-exit:%s:%03d\000' "$nonce" "$st" >&2
 while IFS= read -r _; do :; done
 """
 LAUNCHER_NAME: Final = "devs-sandbox-launcher"
-_SHELL_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _TRAILER_TAG: Final = b"\0devs-exit:"
 _TRAILER_STATUS_LEN: Final = 4  # three digits and the closing NUL
 
@@ -1084,7 +1079,7 @@ class DockerDriver:
             and stdin is None
             and stdin_file is None
             and box.launcher_pid is not None
-            and all(_SHELL_NAME.match(k) for k in extra)
+            and all(ENV_NAME.fullmatch(k) for k in extra)
         )
         prelude: str | None = None
         if box.secrets_pending and launcher:  # a user's exec: the secrets must be there first
@@ -1529,7 +1524,7 @@ class DockerDriver:
             if frees:
                 inodes_free = min(f[0] for f in frees)
                 disk_free = min(f[1] for f in frees)
-            scan = box.scanner.scan(need_count=False) if box.scanner is not None else None
+            scan = box.scanner.scan() if box.scanner is not None else None
             # The pidfd proves init was ours before and after the walk: a recycled pid's
             # /proc/<pid>/root would have been someone else's tree.
             if scan is not None and self._alive(box):

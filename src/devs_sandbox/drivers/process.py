@@ -30,7 +30,6 @@ import hashlib
 import logging
 import os
 import pwd
-import re
 import resource
 import selectors
 import shlex
@@ -68,6 +67,7 @@ from devs_sandbox.isolation import (
 from devs_sandbox.isolation.cgroups import CgroupLimits, SandboxCgroup, list_sandbox_cgroups
 from devs_sandbox.leases import LEASE_GRACE_S, Lease, LeaseRegistry, Owner
 from devs_sandbox.models import (
+    ENV_NAME,
     SANDBOX_ID_PATTERN,
     ExecResult,
     ResourceUsage,
@@ -116,7 +116,6 @@ KILL_DRAIN_GRACE_S: Final = 0.5  # after a kill, how long to wait for pipes to c
 SAMPLE_INTERVAL_S: Final = 0.05  # peak process count sampling while an exec runs
 NO_PIDFD_POLL_S: Final = 0.01  # exit polling when the kernel has no pidfd (< 5.3)
 MAX_SIGNAL: Final = 64
-ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # what a shell can export
 SECRETS_DIR_IN_BWRAP: Final = "/tmp/.devs-secrets"  # inside bwrap's private /tmp tmpfs
 SECRETS_DIR_IN_WORKSPACE: Final = ".devs-secrets"  # fallback: in the workspace (tmpfs as root)
 
@@ -605,6 +604,7 @@ class ProcessDriver:
             return self._exec(
                 box,
                 argv,
+                parent_joins_cgroup=box.cgroup is not None and not self_join,
                 env=popen_env,
                 pass_fds=pass_fds,
                 secret_fds=secret_fds,
@@ -645,6 +645,7 @@ class ProcessDriver:
         box: _Box,
         argv: list[str],
         *,
+        parent_joins_cgroup: bool,
         env: Mapping[str, str],
         pass_fds: tuple[int, ...],
         secret_fds: Mapping[str, int],
@@ -685,7 +686,7 @@ class ProcessDriver:
             try:
                 for res, value in self._rlimits(box):
                     resource.prlimit(proc.pid, res, (value, value))
-                if box.cgroup is not None and not box.cgroup.self_join_files():
+                if parent_joins_cgroup and box.cgroup is not None:
                     box.cgroup.add(proc.pid)  # v2: only the parent can move it
                 os.write(proc.stdin.fileno(), b"go\n")
             except OSError as exc:
@@ -950,7 +951,7 @@ class ProcessDriver:
                 disk = (st.f_blocks - st.f_bfree) * st.f_frsize
                 inodes_free = st.f_ffree
                 disk_free = st.f_bavail * st.f_frsize
-        scan = box.scanner.scan(need_count=file_count is None) if box.scanner else None
+        scan = box.scanner.scan() if box.scanner else None
         if scan is not None:
             if file_count is None:
                 file_count = scan.file_count

@@ -47,7 +47,7 @@ from devs_sandbox.models import (
     ViolationType,
     utc_now_iso,
 )
-from devs_sandbox.scheduler import ThreadScheduler
+from devs_sandbox.scheduler import shared_scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -201,7 +201,7 @@ class ResourceDrainDetector:
     @property
     def scheduler(self) -> Scheduler:
         if self._scheduler is None:
-            self._scheduler = ThreadScheduler("devs-sandbox-drain")
+            self._scheduler = shared_scheduler("devs-sandbox-drain")
         return self._scheduler
 
     # -- registration --------------------------------------------------------------------

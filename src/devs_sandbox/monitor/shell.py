@@ -83,7 +83,7 @@ from devs_sandbox.models import (
     ViolationType,
     new_sandbox_id,
 )
-from devs_sandbox.scheduler import ThreadScheduler
+from devs_sandbox.scheduler import ThreadScheduler, shared_scheduler
 
 __all__ = [
     "LimitBreach",
@@ -413,17 +413,9 @@ class ResourcePolicy:
 
 
 # -- the sampling loop ------------------------------------------------------------------
-_scheduler: ThreadScheduler | None = None
-_scheduler_lock = threading.Lock()
-
-
 def monitor_scheduler() -> ThreadScheduler:
     """The monitors' own timer thread: a slow sample never delays a timeout's kill."""
-    global _scheduler  # noqa: PLW0603 - one sampling thread per process
-    with _scheduler_lock:
-        if _scheduler is None:
-            _scheduler = ThreadScheduler("devs-sandbox-shell-monitor")
-        return _scheduler
+    return shared_scheduler("devs-sandbox-shell-monitor")
 
 
 class ShellMonitor:
