@@ -26,6 +26,7 @@ from typing import Final
 from devs_sandbox.base import RuntimeProvider, SandboxDriver
 from devs_sandbox.config import SandboxLifecycleConfig
 from devs_sandbox.errors import UnsupportedRuntimeError
+from devs_sandbox.models import ENV_NAME
 
 # Runtime -> commands that need it (regular expressions over the command's basename).
 RUNTIME_COMMANDS: Final[dict[str, tuple[str, ...]]] = {
@@ -43,7 +44,7 @@ RUNTIME_BINARIES: Final[dict[str, tuple[str, ...]]] = {
 }
 FALLBACK_DRIVER: Final = {"process": "docker", "docker": "process"}
 _SHELLS: Final = frozenset({"sh", "bash", "dash", "ash", "zsh"})
-_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
+_ASSIGNMENT = re.compile(rf"^{ENV_NAME.pattern}=")  # a leading VAR=value of a command
 _PATTERNS: Final = [
     (runtime, re.compile("|".join(f"(?:{p})" for p in pats)))
     for runtime, pats in RUNTIME_COMMANDS.items()
