@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _capabilities() -> dict[str, str]:
     """Marker -> "" when the host has it, else the reason it does not."""
-    from devs_sandbox.isolation import probe_host
+    from devs_sandbox.isolation import SANDBOX_UID_BASE, probe_host
     from devs_sandbox.isolation.mounts import can_mount
 
     host = probe_host()
@@ -40,6 +40,8 @@ def _capabilities() -> dict[str, str]:
     caps["bwrap"] = (
         "" if host.bwrap_root.works else f"bubblewrap unusable: {host.bwrap_root.reason}"
     )
+    ok, why = host.nsinit_for(host.euid if host.euid else SANDBOX_UID_BASE)
+    caps["unshare"] = "" if ok else f"unshare(2) namespaces unusable: {why}"
     ok, why = can_mount()
     caps["tmpfs"] = "" if ok else why
     caps["docker"] = _docker_reason()
@@ -67,7 +69,7 @@ def _docker_reason() -> str:
 
 _CAPS: dict[str, str] = {}
 # Markers whose absence on a REQUIRE_ALL host is a CI failure, not a skip.
-_REQUIRED_ON_CI = {"root", "cgroups", "bwrap", "tmpfs", "docker"}
+_REQUIRED_ON_CI = {"root", "cgroups", "bwrap", "unshare", "tmpfs", "docker"}
 
 
 def caps() -> dict[str, str]:
@@ -77,7 +79,7 @@ def caps() -> dict[str, str]:
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    for name in ("root", "cgroups", "bwrap", "tmpfs", "docker", "cgroup_v2"):
+    for name in ("root", "cgroups", "bwrap", "unshare", "tmpfs", "docker", "cgroup_v2"):
         if item.get_closest_marker(name) is None:
             continue
         reason = caps().get(name, "")

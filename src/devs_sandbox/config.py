@@ -61,6 +61,7 @@ Mechanism = Literal[
     "pid-namespace",
     "net-namespace",
     "mount-namespace",
+    "seccomp",
     "tmpfs-workspace",
     "unprivileged-user",
 ]
@@ -70,7 +71,9 @@ STRICT_MECHANISMS: tuple[Mechanism, ...] = (
     "pid-namespace",
     "net-namespace",
     "mount-namespace",
+    "seccomp",
 )
+DEFAULT_CPU_CORES = 1.0
 
 DriverName = Literal["process", "docker", "fake"]
 
@@ -111,8 +114,9 @@ class QuotaConfig(_Model):
     disk_bytes: Annotated[StrictInt, Field(ge=1 * MiB)] = 1 * GiB
     """Size of the tmpfs workspace. tmpfs lives in RAM and is charged to the memory cap."""
 
-    cpu_cores: Annotated[float, Field(gt=0, le=1024)] | None = None
-    """CPU bandwidth cap in cores (cpu cgroup quota); null leaves CPU uncapped."""
+    cpu_cores: Annotated[float, Field(gt=0, le=1024)] | None = DEFAULT_CPU_CORES
+    """CPU bandwidth cap in cores (cpu cgroup quota), 1 by default so one runaway task never
+    holds the whole host until its timeout; null leaves CPU uncapped (`--cpus 0`)."""
 
     max_open_files: Annotated[StrictInt, Field(ge=16, le=1_048_576)] = 1024
     """RLIMIT_NOFILE of every process in the sandbox."""
@@ -156,8 +160,24 @@ class IsolationConfig(_Model):
     """Mount the workspace as a tmpfs sized by quotas.diskBytes and quotas.fileCountLimit
     when the host allows (root)."""
 
+    namespaces: StrictBool = True
+    """Give each sandbox its own pid, mount, network, ipc, uts and cgroup namespaces (host
+    read-only, private /tmp, no network): through bubblewrap, or unshare(2) where bwrap is
+    missing or cannot create them. false needs allowWeakerIsolation."""
+
     use_bwrap: StrictBool = True
-    """Use bubblewrap namespaces (pid, net, mount, ipc, uts) when bwrap works on this host."""
+    """Prefer bubblewrap for the namespaces when it works here; false uses our unshare(2)
+    launcher (as root, or in a user namespace of the caller's)."""
+
+    seccomp: StrictBool = True
+    """Filter the sandbox's syscalls (keyrings, new user namespaces, io_uring, bpf,
+    perf_event_open, userfaultfd, mounts, kexec, ...) as Docker's default profile does.
+    false needs allowWeakerIsolation."""
+
+    allow_weaker_isolation: StrictBool = False
+    """Run even when a layer the defaults promise (namespaces, the syscall filter) cannot be
+    had here; each missing layer is then named in the run's warnings. Only an operator
+    config or --allow-weaker-isolation can set it."""
 
     use_cgroups: StrictBool = True
     """Use a cgroup per sandbox (memory, pids, cpu, freezer) when the host allows."""

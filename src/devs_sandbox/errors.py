@@ -16,6 +16,7 @@ are translated where they enter, with ``raise ... from exc``.
     |   +-- InvalidSandboxIdError
     |   +-- SecurityConfigError                  a hardening setting was weakened
     +-- IsolationUnavailableError                strict mode: a required mechanism is missing
+    |   +-- WeakerIsolationError                 a layer the defaults promise is missing
     +-- DriverError                              the driver's infrastructure failed
     |   +-- DriverUnavailableError               backend not installed or not reachable
     |   +-- ProvisionError                       the sandbox could not be created
@@ -72,6 +73,22 @@ class IsolationUnavailableError(DevsSandboxError):
         super().__init__(
             f"required isolation unavailable ({reasons}); "
             "run `devs-sandbox doctor` or relax sandbox.isolation.required"
+        )
+        self.missing = missing
+
+
+class WeakerIsolationError(IsolationUnavailableError):
+    """A layer every default run promises (namespaces: host read-only, private /tmp, no
+    network; the syscall filter) cannot be had here, and the operator did not allow
+    weaker isolation: the run is refused rather than silently downgraded."""
+
+    def __init__(self, missing: dict[str, str]) -> None:
+        reasons = "; ".join(f"{name}: {why}" for name, why in sorted(missing.items()))
+        DevsSandboxError.__init__(
+            self,
+            f"refusing to run with weaker isolation ({reasons}); run `devs-sandbox doctor`, "
+            "or pass --allow-weaker-isolation (sandbox.isolation.allowWeakerIsolation in an "
+            "operator config) to run anyway",
         )
         self.missing = missing
 

@@ -557,6 +557,7 @@ class SandboxLifecycleManager:
             timed_out=timed_out,
             cancelled=sandbox.cancelled,
             preflight=preflight,
+            warnings=sandbox.context.warnings,
         )
         if sandbox.cancelled:
             raise SandboxCancelledError(f"sandbox {sandbox.id} was cancelled", outcome)

@@ -193,6 +193,8 @@ class SandboxContext:
     created_at: str = field(default_factory=utc_now_iso)
     # Driver-specific identifiers an operator may want to see (container id, cgroup paths).
     labels: dict[str, str] = field(default_factory=dict)
+    # Default layers not in effect, each "layer: why" (the operator allowed weaker isolation).
+    warnings: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,6 +209,7 @@ class SandboxOutcome:
     timed_out: bool = False
     cancelled: bool = False
     preflight: tuple[ExecResult, ...] = ()
+    warnings: tuple[str, ...] = ()  # default layers that were not in effect, and why
 
     @property
     def exit_code(self) -> int:
@@ -245,6 +248,7 @@ class SandboxOutcome:
             "signal": res.signal,
             "resources": {k: v for k, v in res.resources.to_json().items() if k != "wall_time_s"},
             "violation": None if self.violation is None else self.violation.to_json(),
+            "warnings": list(self.warnings),
         }
 
 

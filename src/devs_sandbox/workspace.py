@@ -92,11 +92,15 @@ class WorkspaceScanner:
         self,
         root: Path,
         *,
+        walk_roots: list[Path] | None = None,
         budget_s: float = 0.2,
         full_rescan_every: int = FULL_RESCAN_EVERY,
         recheck_every: int = RECHECK_EVERY,
     ) -> None:
         self.root = root
+        # The directories walked, each at depth 0 (a sandbox's workspace and its /tmp,
+        # /var/tmp and /dev/shm); ``root`` is what the filesystem fingerprint reads.
+        self.walk_roots = walk_roots or [root]
         self.budget_s = budget_s
         self.full_rescan_every = full_rescan_every
         self.recheck_every = recheck_every
@@ -145,7 +149,7 @@ class WorkspaceScanner:
                 full = last is None or self._ticks_since_full >= self.full_rescan_every
             if not self.root.is_dir():
                 return None
-            self._walk = _Walk(stack=[(str(self.root), 0)], full=full)
+            self._walk = _Walk(stack=[(str(r), 0) for r in reversed(self.walk_roots)], full=full)
             self._pending_fp = fp
             self._ticks_since_walk = 0
             self.walks_started += 1

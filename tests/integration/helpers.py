@@ -45,8 +45,13 @@ def wait_for(predicate: Any, timeout: float = 10.0, interval: float = 0.02) -> b
 
 
 # Every combination of layers this host can offer, for "each layer alone kills everything".
+WEAKER = {"allow_weaker_isolation": True}
 LAYERS = {
     "full": {},
-    "cgroup-only": {"use_bwrap": False},
+    "unshare": {"use_bwrap": False},
+    "cgroup-only": {"namespaces": False, **WEAKER},
     "pidns-only": {"use_cgroups": False},
+    "unshare-pidns-only": {"use_bwrap": False, "use_cgroups": False},
 }
+# The namespace launchers, for attacker tests that must hold at every isolation level.
+LAUNCHERS = {"bwrap": {}, "unshare": {"use_bwrap": False}}

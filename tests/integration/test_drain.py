@@ -36,8 +36,8 @@ def manager(drain_db: Path) -> Iterator[SandboxLifecycleManager]:
 
 
 def file_bomb(n: int) -> list[str]:
-    """Creates up to n files, carrying on past errors (as a careless agent loop would);
-    prints how many it managed to create."""
+    """Creates up to n files until the first refusal; prints how many it managed to create
+    (then idles, so only the detector ends it)."""
     script = (
         "import os\n"
         "made = 0\n"
@@ -45,7 +45,7 @@ def file_bomb(n: int) -> list[str]:
         "    try:\n"
         "        open(f'f{i}', 'w').close(); made += 1\n"
         "    except OSError:\n"
-        "        pass\n"
+        "        break\n"  # the first refusal is the answer; print it before any kill
         "print('made', made, flush=True)\n"
         "import time; time.sleep(60)\n"
     )

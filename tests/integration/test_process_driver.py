@@ -242,9 +242,11 @@ def test_no_network_unless_asked() -> None:
         closed = m.run_in_sandbox([PY, "-c", probe], config())
         assert closed.result.stdout.text.startswith("refused")
         assert "net-namespace" in closed.isolation
+        # --network is outbound networking in a namespace of its own (pasta): the host's
+        # loopback stays out of reach (tests/integration/test_boundary.py goes further).
         opened = m.run_in_sandbox([PY, "-c", probe], config(network=True))
-        assert opened.result.stdout.text.startswith("connected")
-        assert "net-namespace" not in opened.isolation
+        assert opened.result.stdout.text.startswith("refused")
+        assert {"net-namespace", "network-pasta"} <= set(opened.isolation)
     finally:
         server.close()
 
@@ -278,7 +280,13 @@ def test_pid_namespace_hides_host_processes() -> None:
 
 
 def test_strict_refuses_when_a_required_mechanism_is_missing() -> None:
-    cfg = config(isolation={"use_bwrap": False, "required": ("pid-namespace",)})
+    cfg = config(
+        isolation={
+            "namespaces": False,
+            "allow_weaker_isolation": True,
+            "required": ("pid-namespace",),
+        }
+    )
     with pytest.raises(IsolationUnavailableError, match="pid-namespace"):
         manager().run_in_sandbox(["true"], cfg)
 
@@ -303,7 +311,7 @@ def test_each_sandbox_gets_a_uid_of_its_own_when_we_are_root() -> None:
 @pytest.mark.root
 def test_without_namespaces_one_sandbox_cannot_read_another(tmp_path: Path) -> None:
     m = manager()
-    no_ns = config(isolation={"use_bwrap": False})
+    no_ns = config(isolation={"namespaces": False, "allow_weaker_isolation": True})
     with m.open_sandbox(no_ns, secrets={"DEPLOY_TOKEN": "victim-" + "9" * 24}) as victim:
         victim.exec("echo private > notes.txt")
         thief = m.run_in_sandbox(
@@ -341,7 +349,7 @@ def test_an_exec_environment_never_reaches_the_privileged_stages(tmp_path: Path)
     seed = tmp_path / "seed"
     seed.mkdir()
     subprocess.run([gcc, "-shared", "-fPIC", "-o", str(seed / "probe.so"), str(src)], check=True)
-    for iso in ({}, {"use_bwrap": False}):
+    for iso in ({}, {"use_bwrap": False}, {"namespaces": False, "allow_weaker_isolation": True}):
         manager().run_in_sandbox(
             ["true"], config(copy_in=seed, env={"LD_PRELOAD": "./probe.so"}, isolation=iso)
         )

@@ -30,6 +30,7 @@ def _levels() -> list[Any]:
     """Every isolation level this host can offer; a missing layer is skipped, with why."""
     have_bwrap = not caps()["bwrap"]
     have_cgroup = not caps()["cgroups"]
+    have_unshare = not caps()["unshare"]
     return [
         pytest.param(
             {},
@@ -40,6 +41,13 @@ def _levels() -> list[Any]:
         ),
         pytest.param(
             {"use_bwrap": False},
+            id="unshare",
+            marks=pytest.mark.skipif(
+                not (have_unshare and have_cgroup), reason="needs unshare(2) namespaces and cgroups"
+            ),
+        ),
+        pytest.param(
+            {"namespaces": False, "allow_weaker_isolation": True},
             id="no-namespaces",
             marks=pytest.mark.skipif(not have_cgroup, reason="needs cgroups"),
         ),
@@ -49,7 +57,13 @@ def _levels() -> list[Any]:
             marks=pytest.mark.skipif(not have_bwrap, reason="needs bwrap"),
         ),
         pytest.param(
-            {"use_bwrap": False, "use_cgroups": False, "tmpfs_workspace": False}, id="rlimits-only"
+            {
+                "namespaces": False,
+                "allow_weaker_isolation": True,
+                "use_cgroups": False,
+                "tmpfs_workspace": False,
+            },
+            id="rlimits-only",
         ),
     ]
 
@@ -158,7 +172,7 @@ def test_secret_files_are_gone_after_the_run() -> None:
     manager = SandboxLifecycleManager(store=None)
     out = manager.run_in_sandbox(
         ["sh", "-c", 'echo "$DEVS_SESSION_KEY_FILE"; ls -la "$(dirname "$DEVS_SESSION_KEY_FILE")"'],
-        config(isolation={"use_bwrap": False}),
+        config(isolation={"namespaces": False, "allow_weaker_isolation": True}),
     )
     path = Path(out.result.stdout.text.splitlines()[0])
     assert path.parent.name == ".devs-secrets" and "r-x------" in out.result.stdout.text

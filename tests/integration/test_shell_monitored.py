@@ -127,7 +127,10 @@ def test_the_kill_works_without_the_pid_namespace() -> None:
     opts = MonitoredShellOptions(rss_limit_bytes=64 * MiB, **FAST, timeout_s=120)
     with pytest.raises(ResourceLimitExceededError):
         run_shell_monitored_sync(
-            command, opts, manager=manager(), config=config(isolation={"use_bwrap": False})
+            command,
+            opts,
+            manager=manager(),
+            config=config(isolation={"namespaces": False, "allow_weaker_isolation": True}),
         )
     assert wait_for(lambda: not processes_with(tag), 10)
 
@@ -141,7 +144,7 @@ def test_a_double_forked_hog_does_not_escape_the_rss_watch() -> None:
             f"({HOG.format(mib=200)} &); sleep 30",
             opts,
             manager=manager(),
-            config=config(isolation={"use_bwrap": False}),
+            config=config(isolation={"namespaces": False, "allow_weaker_isolation": True}),
         )
     assert err.value.reason == "rss"
 

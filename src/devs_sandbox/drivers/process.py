@@ -26,11 +26,14 @@ idempotent, works after a partial ``provision`` and after a crash (by id).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
+import json
 import logging
 import os
 import pwd
 import resource
+import select
 import selectors
 import shlex
 import shutil
@@ -52,6 +55,7 @@ from devs_sandbox.errors import (
     IsolationUnavailableError,
     ProvisionError,
     SandboxNotFoundError,
+    WeakerIsolationError,
 )
 from devs_sandbox.isolation import (
     NOBODY_GID,
@@ -61,8 +65,10 @@ from devs_sandbox.isolation import (
     HostSupport,
     bwrap,
     drop_privileges_argv,
+    layout,
     mounts,
     probe_host,
+    unshare,
 )
 from devs_sandbox.isolation.cgroups import CgroupLimits, SandboxCgroup, list_sandbox_cgroups
 from devs_sandbox.leases import LEASE_GRACE_S, Lease, LeaseRegistry, Owner
@@ -116,8 +122,10 @@ KILL_DRAIN_GRACE_S: Final = 0.5  # after a kill, how long to wait for pipes to c
 SAMPLE_INTERVAL_S: Final = 0.05  # peak process count sampling while an exec runs
 NO_PIDFD_POLL_S: Final = 0.01  # exit polling when the kernel has no pidfd (< 5.3)
 MAX_SIGNAL: Final = 64
-SECRETS_DIR_IN_BWRAP: Final = "/tmp/.devs-secrets"  # inside bwrap's private /tmp tmpfs
-SECRETS_DIR_IN_WORKSPACE: Final = ".devs-secrets"  # fallback: in the workspace (tmpfs as root)
+NS_GET_USERNS: Final = 0xB701  # ioctl_ns(2): the user namespace owning a namespace
+SECRETS_DIR_IN_WORKSPACE: Final = ".devs-secrets"  # without namespaces: in the workspace
+NETWORK_SETUP_TIMEOUT_S: Final = 10.0  # bwrap reports its pid in ms; pasta starts in ~35 ms
+PASTA_STOP_GRACE_S: Final = 1.0  # pasta exits at once on SIGTERM; then SIGKILL
 
 MECHANISMS: Final = (
     "rlimits",
@@ -125,9 +133,30 @@ MECHANISMS: Final = (
     "pid-namespace",
     "mount-namespace",
     "net-namespace",
+    "seccomp",
     "tmpfs-workspace",
     "unprivileged-user",
 )
+NAMESPACES: Final = ("pid-namespace", "mount-namespace", "net-namespace")
+# What a default run promises (host read-only with private /tmp, no network or an isolated
+# one, kernel surfaces filtered): provided by bwrap or by our unshare launcher, or the run
+# is refused unless the operator allowed weaker isolation.
+PROMISED: Final = (*NAMESPACES, "seccomp")
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    report: dict[str, str]
+    launcher: str | None
+    bwrap_path: str | None
+    network: str
+
+    def warnings(self) -> tuple[str, ...]:
+        """One entry per default layer not in effect, with the reason."""
+        out = [f"{m}: {why}" for m, why in self.report.items() if why]
+        if self.network == "host":
+            out.append("network: the sandbox shares the host's network namespace")
+        return tuple(out)
 
 
 @dataclass
@@ -140,9 +169,14 @@ class _Box:
     uid: int
     gid: int
     isolation: tuple[str, ...]
+    root: Path = field(default=Path())  # the sandbox's private root: workspace, tmp, shm
     cgroup: SandboxCgroup | None = None
     mounted: bool = False
+    launcher: str | None = None  # "bwrap", "unshare", or None without namespaces
     bwrap_path: str | None = None
+    network: str = "none"  # "none" (own namespace, no route), "pasta", or "host"
+    base_inodes: int = 0  # inodes of the root's structure, not counted as the task's
+    warnings: tuple[str, ...] = ()
     procs: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
     peak_processes: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -249,34 +283,69 @@ class ProcessDriver:
                 return uid
         raise ProvisionError("no free sandbox uid (too many live sandboxes?)")
 
-    def isolation_report(self, config: SandboxLifecycleConfig) -> dict[str, str]:
-        """Mechanism -> "" if it will be in effect for ``config``, else the reason why not."""
+    def _plan(self, config: SandboxLifecycleConfig, uid: int) -> _Plan:
+        """Which mechanism provides each layer for ``config`` here, and why a layer is not."""
         host = self.host
         iso = config.isolation
-        uid, _gid = self._run_as(config)
         report: dict[str, str] = dict.fromkeys(MECHANISMS, "")
         report["rlimits"] = host.rlimits[1]
         if not iso.use_cgroups:
             report["cgroup"] = "disabled by sandbox.isolation.useCgroups"
         elif not host.cgroup.available:
             report["cgroup"] = host.cgroup.reason
-        bw = host.bwrap_for(uid)
+        launcher: str | None = None
+        bwrap_path: str | None = None
         ns_reason = ""
-        if not iso.use_bwrap:
-            ns_reason = "disabled by sandbox.isolation.useBwrap"
-        elif not bw.works:
-            ns_reason = bw.reason
-        for m in ("pid-namespace", "mount-namespace", "net-namespace"):
+        if not iso.namespaces:
+            ns_reason = "disabled by sandbox.isolation.namespaces"
+        else:
+            why: list[str] = []
+            if iso.use_bwrap:
+                bw = host.bwrap_for(uid)
+                if bw.works:
+                    launcher, bwrap_path = "bwrap", bw.path
+                else:
+                    why.append(bw.reason)
+            else:
+                why.append("bwrap disabled by sandbox.isolation.useBwrap")
+            if launcher is None:
+                ok, reason = host.nsinit_for(uid)
+                if ok:
+                    launcher = "unshare"
+                else:
+                    why.append(reason)
+            if launcher is None:
+                ns_reason = "; ".join(why)
+        for m in NAMESPACES:
             report[m] = ns_reason
-        if config.network and not ns_reason:
-            report["net-namespace"] = "network requested (--network)"
+        network = "none"
+        if config.network:
+            if launcher is None:
+                network = "host"
+            elif host.pasta is None:
+                network = "host"
+                report["net-namespace"] = (
+                    "--network needs pasta to keep the sandbox off the host's loopback "
+                    "(apt-get install passt)"
+                )
+            else:
+                network = "pasta"
+        if not iso.seccomp:
+            report["seccomp"] = "disabled by sandbox.isolation.seccomp"
+        else:
+            report["seccomp"] = host.seccomp[1]
         if not iso.tmpfs_workspace:
             report["tmpfs-workspace"] = "disabled by sandbox.isolation.tmpfsWorkspace"
         elif not host.tmpfs[0]:
             report["tmpfs-workspace"] = host.tmpfs[1]
         if uid == 0:
             report["unprivileged-user"] = "sandbox runs as root (isolation.runAsUser)"
-        return report
+        return _Plan(report, launcher, bwrap_path, network)
+
+    def isolation_report(self, config: SandboxLifecycleConfig) -> dict[str, str]:
+        """Mechanism -> "" if it will be in effect for ``config``, else the reason why not."""
+        uid, _gid = self._run_as(config)
+        return self._plan(config, uid).report
 
     def provided_runtimes(self, config: SandboxLifecycleConfig) -> frozenset[str] | None:
         """Runtimes on the sandbox's PATH (the host's binaries, seen read-only)."""
@@ -304,16 +373,27 @@ class ProcessDriver:
         in ``NAME_FILE``, never as argv or environment; they are redacted from its output."""
         sandbox_id = validate_sandbox_id(config.sandbox_id or new_sandbox_id())
         validate_secrets(secrets)
-        report = self.isolation_report(config)
-        self.check_required(report, config.isolation.required)
         uid, gid = self._run_as(config, sandbox_id)
+        plan = self._plan(config, uid)
+        report = plan.report
+        self.check_required(report, config.isolation.required)
+        missing = {m: report[m] for m in PROMISED if report[m]}
+        if plan.network == "host" and config.network:
+            missing.setdefault("net-namespace", "network requested without a namespace")
+        if missing and not config.isolation.allow_weaker_isolation:
+            raise WeakerIsolationError(missing)
         active = tuple(m for m, why in report.items() if not why)
         if "cgroup" in active:
             active = tuple(
                 f"cgroup-v{self.host.cgroup.version}" if m == "cgroup" else m for m in active
             )
-        workspace = self.workspace_root / f"{WORKSPACE_PREFIX}{sandbox_id}"
-        box = _Box(sandbox_id, config, workspace, uid, gid, active)
+        if plan.network == "pasta":
+            active += ("network-pasta",)
+        root = self.workspace_root / f"{WORKSPACE_PREFIX}{sandbox_id}"
+        workspace = root / layout.WORKSPACE_DIR
+        box = _Box(sandbox_id, config, workspace, uid, gid, active, root=root)
+        box.launcher, box.bwrap_path, box.network = plan.launcher, plan.bwrap_path, plan.network
+        box.warnings = plan.warnings()
         box.secrets = {name: bytearray(value) for name, value in (secrets or {}).items()}
         box.redactor = Redactor(box.secrets) if box.secrets else None
         with self._lock:
@@ -331,7 +411,7 @@ class ProcessDriver:
             if isinstance(exc, OSError | ValueError | DriverError):
                 raise ProvisionError(f"cannot provision sandbox {sandbox_id}: {exc}") from exc
             raise
-        labels = {"uid": str(uid)}
+        labels = {"uid": str(uid), "namespaces": plan.launcher or "none"}
         if box.cgroup is not None:
             labels["cgroup"] = ",".join(str(p) for p in box.cgroup.paths)
         return SandboxContext(
@@ -340,6 +420,7 @@ class ProcessDriver:
             workspace=workspace,
             isolation=active,
             labels=labels,
+            warnings=box.warnings,
         )
 
     def _undo(self, box: _Box) -> None:
@@ -351,16 +432,16 @@ class ProcessDriver:
             left += box.cgroup.remove()
         if box.mounted:
             try:
-                mounts.unmount(box.workspace)
+                mounts.unmount(box.root)
             except OSError as exc:
                 left.append(str(exc))
         if box.made_workspace:
-            left += _remove_tree(box.workspace)
+            left += _remove_tree(box.root)
         wipe(box.secrets.values())
         if box.leased:
             if left:
                 logger.warning("sandbox %s: could not undo %s", box.id, "; ".join(left))
-                self.leases.write(Lease(box.id, self.name, Owner(0, None, ""), str(box.workspace)))
+                self.leases.write(Lease(box.id, self.name, Owner(0, None, ""), str(box.root)))
             else:
                 self.leases.remove(box.id)
 
@@ -373,7 +454,7 @@ class ProcessDriver:
             sandbox_id=box.id,
             driver=self.name,
             owner=Owner.current(),
-            workspace=str(box.workspace),
+            workspace=str(box.root),
             resources={"uid": box.uid},
         )
         if not self.leases.claim(lease):
@@ -386,22 +467,35 @@ class ProcessDriver:
             )
         box.leased = True
         try:
-            box.workspace.mkdir(mode=0o700)
+            box.root.mkdir(mode=0o700)
         except FileExistsError:
             raise ProvisionError(
-                f"workspace {box.workspace} already exists (sandbox id in use? "
+                f"sandbox directory {box.root} already exists (sandbox id in use? "
                 "run `devs-sandbox cleanup`)"
             ) from None
         box.made_workspace = True
         if not report["tmpfs-workspace"]:
-            # +1: the tmpfs root directory takes an inode of its own.
+            # One tmpfs holds everything the task can write (workspace, /tmp, /var/tmp,
+            # /dev/shm): its size is the disk quota, its inodes the file quota.
             mounts.mount_tmpfs(
-                box.workspace,
-                mounts.TmpfsOptions(q.disk_bytes, q.file_count_limit + 1, box.uid, box.gid),
+                box.root,
+                # The root and its structure take inodes of their own: the file quota
+                # counts only what the task makes.
+                mounts.TmpfsOptions(
+                    q.disk_bytes,
+                    q.file_count_limit + 1 + len(self._structure(box)),
+                    box.uid,
+                    box.gid,
+                ),
             )
             box.mounted = True
         elif box.uid != os.geteuid():
-            os.chown(box.workspace, box.uid, box.gid)
+            os.chown(box.root, box.uid, box.gid)
+        self._make_areas(box)
+        if box.mounted:
+            with contextlib.suppress(OSError):
+                st = os.statvfs(box.root)
+                box.base_inodes = st.f_files - st.f_ffree
         if not report["cgroup"]:
             limits = CgroupLimits(
                 memory_bytes=q.memory_bytes,
@@ -413,20 +507,52 @@ class ProcessDriver:
             )
             box.cgroup = cg  # before create: a half-made cgroup is ours to undo (we hold the id)
             cg.create(limits)
-        if not report["pid-namespace"]:
-            box.bwrap_path = self.host.bwrap_for(box.uid).path
         if cfg.copy_in is not None:
             self._copy_in(box, cfg.copy_in)
-        box.scanner = WorkspaceScanner(box.workspace, budget_s=q.depth_scan_budget_ms / 1000)
+        areas = layout.sandbox_areas(box.root)
+        box.scanner = WorkspaceScanner(
+            box.root,
+            walk_roots=[areas["workspace"], *(areas[n] for n in layout.TMP_DIRS.values())],
+            budget_s=q.depth_scan_budget_ms / 1000,
+        )
         if box.secrets:
             self._place_secrets(box)
 
+    @staticmethod
+    def _structure(box: _Box) -> list[tuple[Path, int, bool]]:
+        """Directories under the sandbox root, in creation order: (path, mode, owned by
+        the sandbox). The workspace (0700) and the sandbox's /tmp, /var/tmp and /dev/shm
+        (1777, as those are); with namespaces, the mount points a launcher needs inside
+        them (ours: the task cannot remove or swap them)."""
+        areas = layout.sandbox_areas(box.root)
+        out = [
+            (path, 0o700 if name == "workspace" else 0o1777, True) for name, path in areas.items()
+        ]
+        if box.launcher is None:
+            return out
+        for dest, area in layout.TMP_DIRS.items():
+            rel = _relative_to(box.workspace, Path(dest))
+            if rel is not None:
+                for i in range(1, len(rel.parts) + 1):
+                    out.append((box.root / area / Path(*rel.parts[:i]), 0o755, False))
+        out.append((box.root / "tmp" / Path(layout.SECRETS_DIR).name, 0o500, False))
+        return out
+
+    def _make_areas(self, box: _Box) -> None:
+        chown = box.uid != os.geteuid()
+        for path, mode, owned in self._structure(box):
+            path.mkdir(mode=mode)
+            path.chmod(mode)  # mkdir's mode passes through the umask
+            if owned and chown:
+                os.chown(path, box.uid, box.gid)
+
     def _place_secrets(self, box: _Box) -> None:
-        """With bwrap, each exec gets the secrets through pipes into its private /tmp (the host
-        filesystem never holds them). Without, they are files in the workspace (a tmpfs as
-        root), mode 0400, owned by the sandbox uid, removed with it."""
-        if box.bwrap_path is not None:
-            box.secret_paths = {n: f"{SECRETS_DIR_IN_BWRAP}/{n}" for n in box.secrets}
+        """In a namespaced sandbox each exec gets the secrets through pipes onto a tmpfs of
+        its own (the host's filesystems never hold them). Without namespaces they are files
+        in the workspace (a tmpfs as root), mode 0400, owned by the sandbox uid, removed
+        with it."""
+        if box.launcher is not None:
+            box.secret_paths = {n: layout.secret_path(n) for n in box.secrets}
             return
         d = box.workspace / SECRETS_DIR_IN_WORKSPACE
         d.mkdir(mode=0o700)
@@ -526,26 +652,6 @@ class ProcessDriver:
             )
         return argv
 
-    def _argv(
-        self,
-        box: _Box,
-        command: Sequence[str],
-        secret_fds: Mapping[str, int] | None = None,
-        args_fd: int | None = None,
-    ) -> list[str]:
-        if box.bwrap_path is None:
-            return list(command)
-        return bwrap.build_argv(
-            box.bwrap_path,
-            workspace=box.workspace,
-            network=box.config.network,
-            hide_paths=box.config.isolation.hide_paths,
-            drop_caps=box.uid == 0,
-            command=command,
-            data_files={box.secret_paths[n]: fd for n, fd in (secret_fds or {}).items()},
-            args_fd=args_fd,
-        )
-
     def exec(
         self,
         ctx: SandboxContext,
@@ -567,27 +673,9 @@ class ProcessDriver:
             if not ENV_NAME.fullmatch(name) or "\0" in value:
                 raise ValueError(f"invalid environment variable {name!r}")
         cap = box.config.max_output_bytes if max_output_bytes is None else max_output_bytes
-        secret_fds = self._secret_pipes(box) if box.bwrap_path is not None else {}
-        full_env = self._env(box, env)
-        drop = self._drop_argv(box)
-        env_fd: int | None = None
-        popen_env = full_env
+        launch = _Launch()
         try:
-            if box.bwrap_path is not None:
-                args = ["--clearenv"]
-                for k, v in full_env.items():
-                    args += ["--setenv", k, v]
-                env_fd = _memfd("devs-sandbox-bwrap-args", b"\0".join(a.encode() for a in args))
-                inner = self._argv(box, command, secret_fds, env_fd)
-                popen_env = dict(PRIVILEGED_ENV)
-            elif drop:
-                lines = [f"export {k}={shlex.quote(v)}" for k, v in full_env.items()]
-                lines.append("unset PWD")
-                env_fd = _memfd("devs-sandbox-env", ("\n".join(lines) + "\n").encode())
-                inner = ["/bin/sh", "-c", ENV_SHIM, ENV_SHIM_NAME, str(env_fd), *command]
-                popen_env = dict(PRIVILEGED_ENV)
-            else:
-                inner = self._argv(box, command, secret_fds)
+            self._prepare_launch(box, command, self._env(box, env), launch)
             self_join = box.cgroup.self_join_files() if box.cgroup is not None else []
             argv = [
                 "/bin/sh",
@@ -597,17 +685,15 @@ class ProcessDriver:
                 "0" if stdin is None else "1",
                 str(len(self_join)),
                 *self_join,
-                *drop,
-                *inner,
+                *launch.argv,
             ]
-            pass_fds = (*secret_fds.values(), *(() if env_fd is None else (env_fd,)))
             return self._exec(
                 box,
                 argv,
                 parent_joins_cgroup=box.cgroup is not None and not self_join,
-                env=popen_env,
-                pass_fds=pass_fds,
-                secret_fds=secret_fds,
+                env=launch.env,
+                pass_fds=tuple(launch.child_fds),
+                launch=launch,
                 cap=cap,
                 timeout_s=timeout_s,
                 idle_timeout_s=idle_timeout_s,
@@ -617,7 +703,187 @@ class ProcessDriver:
                 on_start=on_start,
             )
         finally:
-            for fd in (*secret_fds.values(), *(() if env_fd is None else (env_fd,))):
+            launch.close()
+            for pidfd in launch.pasta_pidfds:
+                _stop_pasta(pidfd)
+
+    def _prepare_launch(
+        self, box: _Box, command: Sequence[str], full_env: dict[str, str], launch: _Launch
+    ) -> None:
+        """The argv after the shim, its environment and the fds it inherits: bwrap or our
+        unshare launcher with the sandbox's layout, seccomp program and (for pasta) the
+        handshake pipes; without namespaces, the privilege drop and the filter only."""
+        wants_seccomp = "seccomp" in box.isolation
+        if box.launcher is None and not wants_seccomp:
+            drop = self._drop_argv(box)
+            if drop:
+                lines = [f"export {k}={shlex.quote(v)}" for k, v in full_env.items()]
+                lines.append("unset PWD")
+                env_fd = launch.child(
+                    unshare.memfd("devs-sandbox-env", ("\n".join(lines) + "\n").encode())
+                )
+                launch.argv = [*drop, "/bin/sh", "-c", ENV_SHIM, ENV_SHIM_NAME, str(env_fd)]
+                launch.argv += command
+                launch.env = dict(PRIVILEGED_ENV)
+            else:
+                launch.argv, launch.env = list(command), full_env
+            return
+        seccomp_fd: int | None = None
+        if wants_seccomp:
+            from devs_sandbox.isolation import seccomp  # noqa: PLC0415 - imports libseccomp
+
+            program = seccomp.build_bpf(seccomp.Profile(pid_namespace=box.launcher is not None))
+            seccomp_fd = launch.child(unshare.memfd("devs-sandbox-seccomp", program))
+        lay: layout.Layout | None = None
+        if box.launcher is not None:
+            secret_fds = {n: launch.child(fd) for n, fd in self._secret_pipes(box).items()}
+            lay = layout.build(
+                root=box.root,
+                hide_paths=box.config.isolation.hide_paths,
+                cgroup_dirs=box.cgroup.dirs if box.cgroup is not None else None,
+                secret_fds=secret_fds,
+            )
+        info_w = block_r = None
+        if box.network == "pasta":
+            info_r, info_w = os.pipe()
+            block_r, block_w = os.pipe()
+            launch.info_r, launch.block_w = launch.parent(info_r), launch.parent(block_w)
+            launch.child(info_w)
+            launch.child(block_r)
+        launch.env = dict(PRIVILEGED_ENV)
+        if box.launcher == "bwrap":
+            assert box.bwrap_path is not None and lay is not None
+            args = ["--clearenv"]
+            for k, v in full_env.items():
+                args += ["--setenv", k, v]
+            args_fd = launch.child(
+                unshare.memfd("devs-sandbox-bwrap-args", b"\0".join(a.encode() for a in args))
+            )
+            launch.argv = [
+                *self._drop_argv(box),
+                *bwrap.render(
+                    box.bwrap_path,
+                    lay,
+                    command=command,
+                    network_namespace=box.network != "host",
+                    user_namespace=box.uid != 0,
+                    drop_caps=box.uid == 0,
+                    seccomp_fd=seccomp_fd,
+                    args_fd=args_fd,
+                    info_fd=info_w,
+                    block_fd=block_r,
+                ),
+            ]
+            return
+        # Our unshare launcher (or, without namespaces, its drop-and-filter mode): it drops
+        # privileges itself, after the mounts that need them.
+        status_r, status_w = os.pipe()
+        launch.status_r = launch.parent(status_r)
+        launch.child(status_w)
+        env_fd = launch.child(unshare.memfd("devs-sandbox-env", unshare.env_blob(full_env)))
+        spec = unshare.spec(
+            lay,
+            userns=os.geteuid() != 0,
+            uid=box.uid,
+            gid=box.gid,
+            env_fd=env_fd,
+            seccomp_fd=seccomp_fd,
+            status_fd=status_w,
+            network_namespace=box.network != "host",
+            info_fd=info_w,
+            block_fd=block_r,
+        )
+        spec_fd = launch.child(unshare.memfd("devs-sandbox-nsinit", json.dumps(spec).encode()))
+        launch.argv = unshare.argv(spec_fd, command)
+
+    def _after_go(self, box: _Box, proc: subprocess.Popen[bytes], launch: _Launch) -> None:
+        """Between the shim's "go" and the command: connect pasta to the sandbox's network
+        namespace, then wait for the launcher to report that the command was exec'd."""
+        launch.close_child_ends()
+        deadline = time.monotonic() + NETWORK_SETUP_TIMEOUT_S
+        if launch.info_r is not None and launch.block_w is not None:
+            child_pid = _read_child_pid(launch.info_r, deadline, proc)
+            launch.pasta_pidfds.append(self._start_pasta(box, child_pid, deadline))
+            os.write(launch.block_w, b"1")
+        if launch.status_r is not None:
+            why = _read_until_eof(launch.status_r, deadline)
+            if why:
+                raise DriverError(f"cannot start sandbox: {why.decode(errors='replace').strip()}")
+
+    def _start_pasta(self, box: _Box, child_pid: int, deadline: float) -> int:
+        """Give the sandbox's network namespace user-mode outbound networking: pasta with
+        no port forwarding either way and the gateway not mapped to the host (so the host's
+        127.0.0.1 and its abstract sockets stay out of reach), in the sandbox's cgroup.
+        Returns a pidfd of pasta's daemon, which the exec stops when it ends."""
+        pasta = self.host.pasta
+        assert pasta is not None
+        netns = f"/proc/{child_pid}/ns/net"
+        fds: list[int] = []
+        try:
+            ns_fd = os.open(netns, os.O_RDONLY | os.O_CLOEXEC)
+            fds.append(ns_fd)
+            owner_fd = fcntl.ioctl(ns_fd, NS_GET_USERNS)
+            fds.append(owner_fd)
+            pid_fd = unshare.memfd("devs-sandbox-pasta-pid", b"")
+            fds.append(pid_fd)
+            argv = [
+                pasta,
+                "--quiet",
+                "--config-net",
+                "--no-map-gw",
+                *("-t", "none", "-u", "none", "-T", "none", "-U", "none"),
+                "-P",
+                f"/proc/self/fd/{pid_fd}",
+            ]
+            if os.geteuid() == 0:
+                # /dev/net/tun is often root-only: pasta keeps root but drops to the
+                # capabilities it needs, in namespaces and a seccomp filter of its own.
+                argv += ["--runas", "0:0"]
+            if os.fstat(owner_fd).st_ino != Path("/proc/self/ns/user").stat().st_ino:
+                argv += ["--userns", f"/proc/self/fd/{owner_fd}"]
+            # Opened by us, passed as fds: pasta, having dropped most capabilities, could not
+            # open /proc/<pid>/ns/* of a process with more of them than it has (ptrace
+            # access rules). It cannot watch an fd path, so the exec stops it explicitly.
+            argv += ["--netns", f"/proc/self/fd/{ns_fd}"]
+            self_join = box.cgroup.self_join_files() if box.cgroup is not None else []
+            shim = ["/bin/sh", "-c", SHIM, SHIM_NAME, "1", str(len(self_join)), *self_join]
+            # Its messages go to a memfd: the daemon keeps the descriptor, so a pipe would
+            # never reach EOF.
+            err_fd = unshare.memfd("devs-sandbox-pasta-err", b"")
+            fds.append(err_fd)
+            proc = subprocess.Popen(
+                [*shim, *argv],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=err_fd,
+                env=dict(PRIVILEGED_ENV),
+                pass_fds=(ns_fd, owner_fd, pid_fd),
+                close_fds=True,
+                cwd="/",
+            )
+            assert proc.stdin is not None
+            try:
+                if box.cgroup is not None and not self_join:
+                    box.cgroup.add(proc.pid)
+                proc.stdin.write(b"go\n")
+                proc.stdin.close()
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except BaseException:
+                proc.kill()
+                proc.wait()
+                raise
+            if proc.returncode != 0:
+                os.lseek(err_fd, 0, os.SEEK_SET)
+                err = os.read(err_fd, 65536).decode(errors="replace")
+                lines = [ln for ln in err.splitlines() if ln.strip() and "syslog" not in ln]
+                raise DriverError(f"pasta failed: {lines[-1] if lines else proc.returncode}")
+            os.lseek(pid_fd, 0, os.SEEK_SET)
+            daemon = int(os.read(pid_fd, 64).decode().strip())
+            return os.pidfd_open(daemon)
+        except (OSError, ValueError, subprocess.TimeoutExpired) as exc:
+            raise DriverError(f"cannot connect the sandbox's network (pasta): {exc}") from exc
+        finally:
+            for fd in fds:
                 with contextlib.suppress(OSError):
                     os.close(fd)
 
@@ -648,7 +914,7 @@ class ProcessDriver:
         parent_joins_cgroup: bool,
         env: Mapping[str, str],
         pass_fds: tuple[int, ...],
-        secret_fds: Mapping[str, int],
+        launch: _Launch | None = None,
         cap: int,
         timeout_s: float | None,
         idle_timeout_s: float | None,
@@ -689,10 +955,16 @@ class ProcessDriver:
                 if parent_joins_cgroup and box.cgroup is not None:
                     box.cgroup.add(proc.pid)  # v2: only the parent can move it
                 os.write(proc.stdin.fileno(), b"go\n")
-            except OSError as exc:
+                if launch is not None:
+                    self._after_go(box, proc, launch)
+            except (OSError, DriverError) as exc:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
+                if box.cgroup is not None and box.launcher is None:
+                    box.cgroup.kill_all()
                 proc.wait()
+                if isinstance(exc, DriverError):
+                    raise
                 raise DriverError(f"cannot confine sandbox process: {exc}") from exc
             if on_start is not None:
                 try:
@@ -724,7 +996,7 @@ class ProcessDriver:
         # after it may have been reaped.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
-        if box.bwrap_path is None and box.cgroup is not None:
+        if box.launcher is None and box.cgroup is not None:
             # Without a pid namespace, a setsid grandchild is only reachable by cgroup.
             box.cgroup.kill_all()
 
@@ -878,7 +1150,7 @@ class ProcessDriver:
         end = time.monotonic()
         assert status is not None
         code, signaled = _exit_code_from_status(status)
-        sig = _signal_from_code(code, signaled, box.bwrap_path is not None)
+        sig = _signal_from_code(code, signaled, box.launcher is not None)
         self._sample_processes(box, proc)
         return ExecResult(
             exit_code=code,
@@ -919,7 +1191,7 @@ class ProcessDriver:
         if rusage is not None:
             # Through bwrap's pid namespace, what its init reaps never reaches our rusage:
             # an honest "unknown" beats a number that misses the whole task.
-            if cpu is None and box.bwrap_path is None:
+            if cpu is None and box.launcher is None:
                 cpu = rusage.ru_utime + rusage.ru_stime
             if peak_mem is None:
                 peak_mem = rusage.ru_maxrss * 1024  # Linux reports KiB
@@ -944,10 +1216,11 @@ class ProcessDriver:
         inodes_free: int | None = None
         disk_free: int | None = None
         if box.mounted:
-            # One statvfs gives count, bytes and headroom of our own tmpfs.
+            # One statvfs gives count, bytes and headroom of our own tmpfs: everything the
+            # task wrote in its workspace, /tmp, /var/tmp and /dev/shm.
             with contextlib.suppress(OSError):
-                st = os.statvfs(box.workspace)
-                file_count = max(0, st.f_files - st.f_ffree - 1)  # minus the tmpfs root
+                st = os.statvfs(box.root)
+                file_count = max(0, st.f_files - st.f_ffree - box.base_inodes)
                 disk = (st.f_blocks - st.f_bfree) * st.f_frsize
                 inodes_free = st.f_ffree
                 disk_free = st.f_bavail * st.f_frsize
@@ -1025,35 +1298,40 @@ class ProcessDriver:
                     os.killpg(p.pid, signal.SIGKILL)
             wipe(box.secrets.values())
             box.secrets.clear()
-        leftovers = self._destroy_resources(
-            ctx.id, ctx.workspace, box.cgroup if box is not None else None
+        # Without our record of it, by id under our own root: never a path from the caller.
+        root = (
+            box.root
+            if box is not None
+            else self.workspace_root / f"{WORKSPACE_PREFIX}{validate_sandbox_id(ctx.id)}"
         )
+        leftovers = self._destroy_resources(ctx.id, root, box.cgroup if box is not None else None)
         if leftovers:
             logger.warning("sandbox %s: could not remove %s", ctx.id, "; ".join(leftovers))
             # Keep the lease but hand it to nobody, so the next reaper retries.
-            self.leases.write(Lease(ctx.id, self.name, Owner(0, None, ""), str(ctx.workspace)))
+            self.leases.write(Lease(ctx.id, self.name, Owner(0, None, ""), str(root)))
         else:
             self.leases.remove(ctx.id)
 
     def _destroy_resources(
-        self, sandbox_id: str, workspace: Path, cgroup: SandboxCgroup | None = None
+        self, sandbox_id: str, root: Path, cgroup: SandboxCgroup | None = None
     ) -> list[str]:
-        """Remove by id whatever exists; ``cgroup`` narrows the search when we know it."""
+        """Remove by id whatever exists under the sandbox's ``root`` (its tmpfs and every
+        area in it); ``cgroup`` narrows the search when we know it."""
         left: list[str] = []
         support = self.host.cgroup
         if cgroup is not None:
             left += cgroup.remove()
         elif support.available:
             left += SandboxCgroup.from_paths(support, sandbox_id).remove()
-        if workspace.exists() or workspace.is_symlink():
+        if root.exists() or root.is_symlink():
             # Only root can have mounted it; umount2 on a plain directory is a cheap EINVAL,
             # cheaper than scanning /proc/self/mountinfo.
-            if os.geteuid() == 0 and not workspace.is_symlink():
+            if os.geteuid() == 0 and not root.is_symlink():
                 try:
-                    mounts.unmount(workspace)
+                    mounts.unmount(root)
                 except OSError as exc:
                     left.append(str(exc))
-            left += _remove_tree(workspace)
+            left += _remove_tree(root)
         return left
 
     def reap_orphans(self) -> list[str]:
@@ -1117,19 +1395,97 @@ class ProcessDriver:
         return reaped
 
 
-def _memfd(name: str, data: bytes) -> int:
-    """An anonymous in-memory file holding ``data``, read from offset 0 by the child
-    (never on disk, no size limit, nothing blocks the way a full pipe would)."""
-    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+@dataclass
+class _Launch:
+    """The fds of one exec's launch: those the child inherits (closed in the parent once
+    it runs) and those the parent keeps (handshakes with bwrap/nsinit), all closed at the
+    end, whatever happens."""
+
+    argv: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    child_fds: list[int] = field(default_factory=list)
+    parent_fds: list[int] = field(default_factory=list)
+    info_r: int | None = None
+    block_w: int | None = None
+    status_r: int | None = None
+    pasta_pidfds: list[int] = field(default_factory=list)
+
+    def child(self, fd: int) -> int:
+        self.child_fds.append(fd)
+        return fd
+
+    def parent(self, fd: int) -> int:
+        self.parent_fds.append(fd)
+        return fd
+
+    def close_child_ends(self) -> None:
+        """After the child started: our copies of its ends, so EOF on a handshake pipe
+        means the other side is gone."""
+        for fd in self.child_fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.child_fds.clear()
+
+    def close(self) -> None:
+        self.close_child_ends()
+        for fd in self.parent_fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.parent_fds.clear()
+
+
+def _read_child_pid(fd: int, deadline: float, proc: subprocess.Popen[bytes]) -> int:
+    """The sandbox's pid from the launcher's info fd (bwrap's JSON, or nsinit's)."""
+    data = b""
+    while True:
+        try:
+            info = json.loads(data)
+            return int(info["child-pid"])
+        except (ValueError, KeyError, TypeError):
+            pass
+        chunk = _read_some(fd, deadline)
+        if not chunk:
+            raise DriverError(
+                f"the sandbox launcher exited before its network was set up (exit {proc.poll()})"
+            )
+        data += chunk
+
+
+def _read_some(fd: int, deadline: float) -> bytes:
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise DriverError("the sandbox launcher did not answer in time")
+    ready, _, _ = select.select([fd], [], [], remaining)
+    if not ready:
+        raise DriverError("the sandbox launcher did not answer in time")
+    return os.read(fd, 4096)
+
+
+def _read_until_eof(fd: int, deadline: float) -> bytes:
+    """nsinit's status fd: EOF alone (closed by the command's exec) means it started."""
+    data = b""
+    while chunk := _read_some(fd, deadline):
+        data += chunk
+    return data
+
+
+def _stop_pasta(pidfd: int) -> None:
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.lseek(fd, 0, os.SEEK_SET)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+        with contextlib.suppress(ProcessLookupError):
+            signal.pidfd_send_signal(pidfd, signal.SIGTERM)
+        ready, _, _ = select.select([pidfd], [], [], PASTA_STOP_GRACE_S)
+        if not ready:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+    finally:
+        os.close(pidfd)
+
+
+def _relative_to(path: Path, base: Path) -> Path | None:
+    try:
+        return path.relative_to(base)
+    except ValueError:
+        return None
 
 
 def _age_s(path: Path, now: float) -> float:

@@ -1,8 +1,10 @@
-"""Host isolation mechanisms, probed once per process: cgroups, bubblewrap, tmpfs, rlimits.
+"""Host isolation mechanisms, probed once per process: cgroups, bubblewrap, our unshare(2)
+launcher, seccomp, pasta, tmpfs, rlimits.
 
 ``probe_host`` is what ``devs-sandbox doctor`` prints and what the process driver
 consults before each provision: for every mechanism, whether it works here and,
-if not, why not.
+if not, why not. Probes that spawn a process (bwrap, nsinit) run lazily, the first
+time a sandbox needs that mechanism.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import resource
 import shutil
 from dataclasses import dataclass
 
-from devs_sandbox.isolation import bwrap, cgroups, mounts
+from devs_sandbox.isolation import bwrap, cgroups, mounts, unshare
 
 NOBODY_UID = 65534
 NOBODY_GID = 65534
@@ -61,6 +63,28 @@ class HostSupport:
         if uid == self.euid:
             return self.bwrap_root
         return bwrap.probe(tuple(drop_privileges_argv(SANDBOX_UID_BASE, SANDBOX_UID_BASE)))
+
+    def nsinit_for(self, uid: int) -> tuple[bool, str]:
+        """Whether our unshare(2) launcher can make namespaces here: as root directly, as
+        anyone else through a user namespace of their own."""
+        probe_uid = uid if uid == self.euid else SANDBOX_UID_BASE  # one probe for them all
+        return unshare.probe(userns=self.euid != 0, uid=probe_uid)
+
+    @property
+    def seccomp(self) -> tuple[bool, str]:
+        from devs_sandbox.isolation import seccomp  # noqa: PLC0415 - imports libseccomp
+
+        return seccomp.probe()
+
+    @property
+    def pasta(self) -> str | None:
+        """pasta (Debian: passt), the user-mode network a sandbox gets with --network."""
+        return _pasta()
+
+
+@functools.cache
+def _pasta() -> str | None:
+    return shutil.which("pasta")
 
 
 def _rlimits() -> tuple[bool, str]:

@@ -18,10 +18,11 @@ import functools
 import os
 import shutil
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Final
+
+from devs_sandbox.isolation.layout import Layout, Op
 
 PROBE_TIMEOUT_S: Final = 5.0  # a healthy bwrap answers in ~5 ms; 5 s means it is wedged
 
@@ -97,85 +98,103 @@ def probe(prefix: tuple[str, ...] = ()) -> BwrapSupport:
     return BwrapSupport(path, True, "", version)
 
 
-@functools.lru_cache(maxsize=64)
-def hide_args(hide_paths: tuple[str, ...]) -> tuple[str, ...]:
-    """bwrap arguments covering ``hide_paths``; cached: the host layout does not change
-    between two execs, and resolving it costs more than the rest of the argv."""
-    out: list[str] = []
-    # bwrap does not follow symlinks in a destination: resolve /var/run/... to /run/...
-    for hidden in dict.fromkeys(os.path.realpath(h) for h in hide_paths):
-        p = Path(hidden)
-        if p.is_dir():
-            out += ["--tmpfs", hidden]
-        elif p.exists():
-            # A file (a socket) cannot take a tmpfs; bind /dev/null over it instead.
-            out += ["--ro-bind", "/dev/null", hidden]
-    return tuple(out)
-
-
-def build_argv(
+def render(
     bwrap: str,
+    layout: Layout,
     *,
-    workspace: Path,
-    network: bool,
-    hide_paths: Sequence[str],
-    drop_caps: bool,
     command: Sequence[str],
-    extra_binds: Sequence[tuple[str, str]] = (),
-    data_files: Mapping[str, int] | None = None,
+    network_namespace: bool = True,
+    user_namespace: bool = True,
+    drop_caps: bool = False,
+    seccomp_fd: int | None = None,
     args_fd: int | None = None,
+    info_fd: int | None = None,
+    block_fd: int | None = None,
 ) -> list[str]:
-    """The bwrap command line for one exec. ``args_fd``: more arguments, NUL-separated,
-    read by bwrap from that fd (the environment as --clearenv/--setenv: off argv, and
-    never bwrap's own environment)."""
-    ws = str(workspace)
-    argv = [
-        bwrap,
-        *(("--args", str(args_fd)) if args_fd is not None else ()),
+    """The bwrap command line for one exec of ``layout``.
+
+    ``user_namespace``: bwrap runs unprivileged (as the sandbox uid), so it makes a user
+    namespace anyway; asking for it explicitly lets ``--disable-userns`` forbid the task
+    to make more (bubblewrap 0.8+; the seccomp filter forbids it too).
+    ``args_fd``: more arguments, NUL-separated, read by bwrap from that fd (the
+    environment as --clearenv/--setenv: off argv, which is world-readable in
+    /proc/<pid>/cmdline, and never bwrap's own environment).
+    ``info_fd``/``block_fd``: bwrap writes the sandbox's pid to ``info_fd`` and waits for
+    a byte on ``block_fd`` before the command starts: the window in which the driver
+    connects a user-mode network (pasta) to the new network namespace.
+    """
+    argv = [bwrap]
+    if args_fd is not None:
+        argv += ["--args", str(args_fd)]
+    if user_namespace:
+        argv += ["--unshare-user", "--disable-userns"]
+    argv += [
         "--unshare-pid",
         "--unshare-ipc",
         "--unshare-uts",
         "--unshare-cgroup-try",
+        "--unshare-net",
         "--hostname",
-        "devs-sandbox",
+        layout.hostname,
         "--die-with-parent",
         "--new-session",  # no TIOCSTI into the caller's terminal
-        "--ro-bind",
-        "/",
-        "/",
     ]
-    if not network:
-        argv.append("--unshare-net")
+    if not network_namespace:
+        argv.remove("--unshare-net")
     if drop_caps:
         argv += ["--cap-drop", "ALL"]
-    argv += hide_args(tuple(hide_paths))
-    argv += [
-        "--tmpfs",
-        "/tmp",
-        "--tmpfs",
-        "/var/tmp",
-        "--proc",
-        "/proc",
-        "--dev",
-        "/dev",
-        "--bind",
-        ws,
-        ws,
-    ]
-    for src, dest in extra_binds:
-        argv += ["--ro-bind", src, dest]
-    # Files written from a pipe into the private /tmp (secrets): 0400, in a 0500
-    # directory; only the fd number is on the command line. --file writes into the
-    # tmpfs directly (--ro-bind-data would add a bind mount per file, ~0.3 ms).
-    made_dirs: set[str] = set()
-    for dest, fd in (data_files or {}).items():
-        parent = str(Path(dest).parent)
-        if parent not in made_dirs:
-            argv += ["--perms", "0500", "--dir", parent]
-            made_dirs.add(parent)
-        argv += ["--perms", "0400", "--file", str(fd), dest]
-    # The command's environment comes through --args (a memfd), never as --setenv on
-    # argv: argv is world-readable in /proc/<pid>/cmdline.
-    argv += ["--chdir", ws, "--"]
+    if seccomp_fd is not None:
+        argv += ["--seccomp", str(seccomp_fd)]
+    if info_fd is not None:
+        argv += ["--info-fd", str(info_fd)]
+    if block_fd is not None:
+        argv += ["--block-fd", str(block_fd)]
+    argv += _ops_args(layout.ops)
+    argv += ["--chdir", layout.chdir, "--"]
     argv.extend(command)
     return argv
+
+
+@functools.lru_cache(maxsize=64)
+def _static_ops_args(ops: tuple[Op, ...]) -> tuple[str, ...]:
+    """Arguments for ops without fds: the host layout does not change between two execs,
+    and rendering it costs more than the rest of the argv."""
+    return tuple(a for op in ops for a in _one(op))
+
+
+def _ops_args(ops: tuple[Op, ...]) -> list[str]:
+    static = tuple(op for op in ops if op.fd is None)
+    if len(static) == len(ops):
+        return list(_static_ops_args(ops))
+    out: list[str] = []
+    for op in ops:
+        out += _one(op)
+    return out
+
+
+def _one(op: Op) -> list[str]:
+    pre: list[str] = []
+    if op.mode is not None and op.kind in ("tmpfs", "dir", "file"):
+        pre += ["--perms", f"{op.mode:04o}"]
+    if op.size_bytes is not None and op.kind == "tmpfs":
+        pre += ["--size", str(op.size_bytes)]
+    if op.kind == "ro-bind":
+        return [*pre, "--ro-bind", op.src, op.dest]
+    if op.kind == "bind":
+        return [*pre, "--bind", op.src, op.dest]
+    if op.kind == "tmpfs":
+        return [*pre, "--tmpfs", op.dest]
+    if op.kind == "proc":
+        return ["--proc", op.dest]
+    if op.kind == "dev":
+        return ["--dev", op.dest]
+    if op.kind == "dev-null":
+        return ["--ro-bind", "/dev/null", op.dest]
+    if op.kind == "dir":
+        return [*pre, "--dir", op.dest]
+    if op.kind == "file":
+        assert op.fd is not None
+        # --file writes into the tmpfs directly (--ro-bind-data would add a bind mount per
+        # file, ~0.3 ms); only the fd number is on the command line.
+        return [*pre, "--file", str(op.fd), op.dest]
+    raise ValueError(f"unknown layout op {op.kind!r}")
