@@ -41,6 +41,7 @@ from devs_sandbox.errors import (
     SandboxTimeoutError,
     SecretError,
 )
+from devs_sandbox.events import SandboxEvents
 from devs_sandbox.models import SandboxOutcome, validate_sandbox_id
 
 PROG: Final = "devs-sandbox"
@@ -115,6 +116,16 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+def _cpus(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of cores, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be 0 (no cap) or a positive number, got {text!r}")
+    return value
+
+
 def _env_pair(text: str) -> tuple[str, str]:
     name, sep, value = text.partition("=")
     if not sep or not name:
@@ -157,7 +168,12 @@ def build_parser() -> _Parser:
     )
     run.add_argument("--memory", type=parse_size, metavar="SIZE", help="memory cap (64m, 1g)")
     run.add_argument("--disk", type=parse_size, metavar="SIZE", help="workspace size (tmpfs)")
-    run.add_argument("--cpus", type=float, metavar="N", help="CPU cap in cores")
+    run.add_argument(
+        "--cpus",
+        type=_cpus,
+        metavar="N",
+        help="CPU cap in cores (default 1; 0 lifts the cap)",
+    )
     run.add_argument("--max-processes", type=_positive_int, metavar="N")
     run.add_argument("--max-files", type=_positive_int, metavar="N")
     run.add_argument("--max-depth", type=_positive_int, metavar="N")
@@ -212,6 +228,12 @@ def build_parser() -> _Parser:
     )
     run.add_argument(
         "--strict", action="store_true", help=f"require {', '.join(STRICT_MECHANISMS)}"
+    )
+    run.add_argument(
+        "--allow-weaker-isolation",
+        action="store_true",
+        help="run even where a layer the defaults promise (namespaces, seccomp) is missing; "
+        "each missing layer is named on stderr",
     )
     run.add_argument("--config", type=Path, metavar="PATH")
     run.add_argument("--db", type=Path, metavar="PATH", help="violation store (SQLite)")
@@ -272,7 +294,6 @@ def _run_config(args: argparse.Namespace, file_cfg: DevsConfig) -> SandboxLifecy
     for opt, key in (
         ("memory", "memory_bytes"),
         ("disk", "disk_bytes"),
-        ("cpus", "cpu_cores"),
         ("max_processes", "process_count_limit"),
         ("max_files", "file_count_limit"),
         ("max_depth", "directory_depth_limit"),
@@ -288,6 +309,10 @@ def _run_config(args: argparse.Namespace, file_cfg: DevsConfig) -> SandboxLifecy
     required += args.require
     if required != list(file_cfg.sandbox.isolation.required):
         isolation["required"] = tuple(dict.fromkeys(required))
+    if args.cpus is not None:
+        quotas["cpu_cores"] = args.cpus or None  # 0: no cap
+    if args.allow_weaker_isolation:
+        isolation["allow_weaker_isolation"] = True
     if quotas:
         changes["quotas"] = quotas
     if isolation:
@@ -381,6 +406,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise UsageError(
                 f"{PROG} run: --stdin {args.stdin}: {exc.strerror}", EXIT_CANNOT_RUN
             ) from None
+    if not args.json:
+        manager.bus.on(SandboxEvents.CREATED, _warn_weaker)
     outcome: SandboxOutcome | None = None
     status = 0
     error_line: str | None = None
@@ -413,6 +440,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     if error_line:
         print(f"{PROG}: {error_line}", file=sys.stderr)
     return status
+
+
+def _warn_weaker(_name: str, event: dict[str, Any]) -> None:
+    """One stderr line, before the task runs, naming each default layer not in effect."""
+    warnings = event.get("warnings") or []
+    if warnings:
+        print(
+            f"{PROG}: warning: running with weaker isolation: {'; '.join(warnings)}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 # -- other commands -----------------------------------------------------------------------

@@ -360,7 +360,12 @@ class SandboxLifecycleManager:
             self.detector.start_polling(ctx.id, cfg.quotas.poll_interval_ms)
             self.bus.emit(
                 SandboxEvents.CREATED,
-                {"sandbox_id": ctx.id, "driver": ctx.driver, "isolation": list(ctx.isolation)},
+                {
+                    "sandbox_id": ctx.id,
+                    "driver": ctx.driver,
+                    "isolation": list(ctx.isolation),
+                    "warnings": list(ctx.warnings),
+                },
             )
         except BaseException:
             sandbox.destroy()
