@@ -4,7 +4,9 @@ Cases (each runs `true`, create + run + destroy, interleaved):
 - bare:           subprocess.run(["true"])
 - bwrap:          bwrap with the same namespaces, no cgroup, no tmpfs (the tool's floor)
 - library:        SandboxLifecycleManager.run_in_sandbox, full isolation available here
-- library-cgroup: the same without bwrap (rlimits + cgroup + tmpfs)
+                  (bwrap namespaces, seccomp, cgroup, tmpfs root, own uid)
+- library-unshare: the same layers through our unshare(2) launcher (hosts without bwrap)
+- library-cgroup: without namespaces or seccomp (rlimits + cgroup + tmpfs)
 - cli:            `devs-sandbox run -- true` end to end (includes Python start-up)
 
 Target (issue 2): library - bare <= 15 ms at the median on a 2-core machine.
@@ -35,14 +37,18 @@ def main() -> int:
 
     manager = SandboxLifecycleManager(store=None)
     full = SandboxLifecycleConfig()
-    no_bwrap = override(full, isolation={"use_bwrap": False})
+    unshare = override(full, isolation={"use_bwrap": False})
+    no_ns = override(
+        full, isolation={"namespaces": False, "seccomp": False, "allow_weaker_isolation": True}
+    )
     isolation = manager.run_in_sandbox(["true"], full).isolation
     ws = Path(tempfile.mkdtemp(prefix="devs-bench-"))
     bwrap = shutil.which("bwrap")
     cases = {
         "bare": lambda: subprocess.run(["true"], check=True),
         "library": lambda: manager.run_in_sandbox(["true"], full),
-        "library-cgroup": lambda: manager.run_in_sandbox(["true"], no_bwrap),
+        "library-unshare": lambda: manager.run_in_sandbox(["true"], unshare),
+        "library-cgroup": lambda: manager.run_in_sandbox(["true"], no_ns),
     }
     if bwrap:
         argv = [

@@ -108,8 +108,13 @@ def _keyring_attack(isolation: dict[str, Any], tmp_path: Path) -> tuple[dict[str
     cfg = tmp_path / f"operator-{uuid.uuid4().hex[:6]}.json"
     cfg.write_text(json.dumps({"sandbox": {"isolation": isolation}}))
     r = subprocess.run(
-        [sys.executable, "-c", KEYRING_CALLER, f"devs-test-{uuid.uuid4().hex[:8]}"]
-        + ["--config", str(cfg), "--", PY, "-c", KEYRING_TASK],
+        [
+            sys.executable,
+            "-c",
+            KEYRING_CALLER,
+            f"devs-test-{uuid.uuid4().hex[:8]}",
+            *("--config", str(cfg), "--", PY, "-c", KEYRING_TASK),
+        ],
         capture_output=True,
         text=True,
         timeout=120,
@@ -202,7 +207,7 @@ def test_a_sandbox_cannot_enumerate_other_sandboxes_through_cgroupfs(
         assert victim.id in control.result.stdout.text
 
 
-# -- /tmp, /var/tmp, /dev/shm -----------------------------------------------------------------------
+# -- /tmp, /var/tmp, /dev/shm ---------------------------------------------------------------
 def test_tmp_var_tmp_and_dev_shm_are_private_and_leave_nothing(level: dict[str, Any]) -> None:
     tag = f"devs-test-{uuid.uuid4().hex[:10]}"
     planted = [Path(d) / f"{tag}-host" for d in ("/tmp", "/var/tmp", "/dev/shm")]

@@ -246,6 +246,11 @@ def build_host_config(
         "PidsLimit": pids_limit,
         "NetworkMode": "bridge" if config.network else "none",
         "IpcMode": "private",
+        # Its own cgroup namespace: the engine's default on cgroup v1 hosts is the host's,
+        # where /proc/self/cgroup names the container's (and so the sandbox's) engine path.
+        "CgroupnsMode": "private",
+        # /dev/shm is a tmpfs of its own, sized like /tmp and charged to the memory cap.
+        "ShmSize": config.docker.tmp_bytes,
         "Tmpfs": {
             WORKSPACE: _tmpfs_options(q.disk_bytes, q.file_count_limit + 1, uid, gid),
             TMP: _tmpfs_options(config.docker.tmp_bytes, q.file_count_limit + 1, None, None),
@@ -325,6 +330,8 @@ def validate_host_config(hc: Mapping[str, Any], *, network_allowed: bool = False
         value = str(hc.get(key) or "")
         if value == "host" or value.startswith("container:"):
             bad(key, f"{value} shares a namespace with the host or another container")
+    if hc.get("CgroupnsMode") != "private":
+        bad("CgroupnsMode", 'must be "private" (the host\'s names every container\'s cgroup)')
     for key in _FORBIDDEN_KEYS:
         if hc.get(key):
             bad(key, "host paths, devices and kernel settings are never passed to a sandbox")
