@@ -331,7 +331,7 @@ def validate_host_config(hc: Mapping[str, Any], *, network_allowed: bool = False
         if value == "host" or value.startswith("container:"):
             bad(key, f"{value} shares a namespace with the host or another container")
     if hc.get("CgroupnsMode") != "private":
-        bad("CgroupnsMode", 'must be "private" (the host\'s names every container\'s cgroup)')
+        bad("CgroupnsMode", "must be \"private\" (the host's names every container's cgroup)")
     for key in _FORBIDDEN_KEYS:
         if hc.get(key):
             bad(key, "host paths, devices and kernel settings are never passed to a sandbox")
