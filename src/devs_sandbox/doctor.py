@@ -19,15 +19,22 @@ from devs_sandbox.isolation import probe_host
 
 logger = logging.getLogger(__name__)
 
+_NS_HINT = (
+    "apt-get install bubblewrap, or run as root (unshare(2) namespaces), or allow "
+    "unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1)"
+)
 HINTS = {
     "cgroup": "run as root on a host with the memory and pids controllers",
-    "pid-namespace": "apt-get install bubblewrap (and allow unprivileged user namespaces)",
-    "mount-namespace": "apt-get install bubblewrap",
-    "net-namespace": "apt-get install bubblewrap",
+    "pid-namespace": _NS_HINT,
+    "mount-namespace": _NS_HINT,
+    "net-namespace": _NS_HINT + "; for --network: apt-get install passt",
+    "seccomp": "pip install pyseccomp, apt-get install libseccomp2",
     "tmpfs-workspace": "run as root",
     "unprivileged-user": "run as root so sandboxes can drop to nobody, or leave runAsUser=auto",
     "rlimits": "Linux only",
 }
+# Without these a default run is refused (unless the operator allows weaker isolation).
+PROMISED = ("pid-namespace", "mount-namespace", "net-namespace", "seccomp")
 
 
 def diagnose(config: DevsConfig) -> dict[str, Any]:
@@ -51,6 +58,8 @@ def diagnose(config: DevsConfig) -> dict[str, Any]:
     }
     uid, _ = driver._run_as(config.sandbox)
     bw = host.bwrap_for(uid)
+    launcher = driver.namespace_launcher(config.sandbox)
+    unshare_ok, unshare_why = host.nsinit_for(uid)
     db = config.store.path or default_db_path()
     return {
         "python": sys.version.split()[0],
@@ -59,7 +68,11 @@ def diagnose(config: DevsConfig) -> dict[str, Any]:
         "sandbox_uid": uid,
         "cgroup": cgroup_info,
         "bwrap": {"path": bw.path, "works": bw.works, "version": bw.version, "reason": bw.reason},
+        "unshare": {"works": unshare_ok, "reason": unshare_why},
+        "namespaces_via": launcher,
+        "pasta": host.pasta,
         "mechanisms": mechanisms,
+        "refused_by_default": [m for m in PROMISED if report.get(m)],
         "store": {"path": str(db), "writable": _writable(db)},
         "docker": _docker_status(),
     }
@@ -112,12 +125,21 @@ def render(report: dict[str, Any]) -> str:
             if name == "cgroup":
                 detail = f"v{report['cgroup']['version']}"
             elif name.endswith("namespace"):
-                detail = str(report["bwrap"]["version"]).strip()
+                via = report["namespaces_via"]
+                detail = str(report["bwrap"]["version"]).strip() if via == "bwrap" else via or ""
+                if name == "net-namespace":
+                    pasta = report["pasta"]
+                    detail += f" (--network: pasta {pasta})" if pasta else " (--network: no pasta)"
             lines.append(f"  {name:<18} yes  {detail}".rstrip())
         else:
             lines.append(f"  {name:<18} no   {info['reason']}")
             if info["hint"]:
                 lines.append(f"  {'':<18}      -> {info['hint']}")
+    if report["refused_by_default"]:
+        lines.append(
+            f"  -> a default run is refused here ({', '.join(report['refused_by_default'])} "
+            "missing) unless --allow-weaker-isolation"
+        )
     docker = report["docker"]
     docker_line = (
         "yes  " + docker.get("version", "") if docker["available"] else "no   " + docker["reason"]

@@ -347,6 +347,11 @@ class ProcessDriver:
         uid, _gid = self._run_as(config)
         return self._plan(config, uid).report
 
+    def namespace_launcher(self, config: SandboxLifecycleConfig) -> str | None:
+        """"bwrap" or "unshare": what gives ``config`` its namespaces here; None: nothing."""
+        uid, _gid = self._run_as(config)
+        return self._plan(config, uid).launcher
+
     def provided_runtimes(self, config: SandboxLifecycleConfig) -> frozenset[str] | None:
         """Runtimes on the sandbox's PATH (the host's binaries, seen read-only)."""
         del config  # every sandbox of this driver sees the same host binaries
