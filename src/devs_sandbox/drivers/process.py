@@ -122,6 +122,7 @@ KILL_DRAIN_GRACE_S: Final = 0.5  # after a kill, how long to wait for pipes to c
 SAMPLE_INTERVAL_S: Final = 0.05  # peak process count sampling while an exec runs
 NO_PIDFD_POLL_S: Final = 0.01  # exit polling when the kernel has no pidfd (< 5.3)
 MAX_SIGNAL: Final = 64
+TUN_DEVICE: Final = "/dev/net/tun"
 NS_GET_USERNS: Final = 0xB701  # ioctl_ns(2): the user namespace owning a namespace
 SECRETS_DIR_IN_WORKSPACE: Final = ".devs-secrets"  # without namespaces: in the workspace
 NETWORK_SETUP_TIMEOUT_S: Final = 10.0  # bwrap reports its pid in ms; pasta starts in ~35 ms
@@ -327,6 +328,12 @@ class ProcessDriver:
                 report["net-namespace"] = (
                     "--network needs pasta to keep the sandbox off the host's loopback "
                     "(apt-get install passt)"
+                )
+            elif not os.access(TUN_DEVICE, os.R_OK | os.W_OK):
+                network = "host"
+                report["net-namespace"] = (
+                    f"--network needs pasta, which cannot open {TUN_DEVICE} as this user "
+                    "(run as root, or make it mode 0666 as most distributions do)"
                 )
             else:
                 network = "pasta"
