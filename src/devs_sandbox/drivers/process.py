@@ -177,6 +177,7 @@ class _Box:
     bwrap_path: str | None = None
     network: str = "none"  # "none" (own namespace, no route), "pasta", or "host"
     base_inodes: int = 0  # inodes of the root's structure, not counted as the task's
+    secrets_placed: bool = False  # written once into the tmpfs root (else per exec)
     warnings: tuple[str, ...] = ()
     procs: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
     peak_processes: int = 0
@@ -355,7 +356,7 @@ class ProcessDriver:
         return self._plan(config, uid).report
 
     def namespace_launcher(self, config: SandboxLifecycleConfig) -> str | None:
-        """"bwrap" or "unshare": what gives ``config`` its namespaces here; None: nothing."""
+        """ "bwrap" or "unshare": what gives ``config`` its namespaces here; None: nothing."""
         uid, _gid = self._run_as(config)
         return self._plan(config, uid).launcher
 
@@ -495,7 +496,7 @@ class ProcessDriver:
                 # counts only what the task makes.
                 mounts.TmpfsOptions(
                     q.disk_bytes,
-                    q.file_count_limit + 1 + len(self._structure(box)),
+                    q.file_count_limit + 1 + len(self._structure(box)) + len(box.secrets),
                     box.uid,
                     box.gid,
                 ),
@@ -504,6 +505,8 @@ class ProcessDriver:
         elif box.uid != os.geteuid():
             os.chown(box.root, box.uid, box.gid)
         self._make_areas(box)
+        if box.secrets and box.launcher is not None:
+            self._place_secrets(box)  # in the sandbox's /tmp: counted as structure
         if box.mounted:
             with contextlib.suppress(OSError):
                 st = os.statvfs(box.root)
@@ -527,8 +530,8 @@ class ProcessDriver:
             walk_roots=[areas["workspace"], *(areas[n] for n in layout.TMP_DIRS.values())],
             budget_s=q.depth_scan_budget_ms / 1000,
         )
-        if box.secrets:
-            self._place_secrets(box)
+        if box.secrets and box.launcher is None:
+            self._place_secrets(box)  # after copy-in: a repository cannot plant over them
 
     @staticmethod
     def _structure(box: _Box) -> list[tuple[Path, int, bool]]:
@@ -559,15 +562,21 @@ class ProcessDriver:
                 os.chown(path, box.uid, box.gid)
 
     def _place_secrets(self, box: _Box) -> None:
-        """In a namespaced sandbox each exec gets the secrets through pipes onto a tmpfs of
-        its own (the host's filesystems never hold them). Without namespaces they are files
-        in the workspace (a tmpfs as root), mode 0400, owned by the sandbox uid, removed
-        with it."""
+        """Secrets as files, mode 0400, owned by the sandbox uid, never on a disk. In a
+        namespaced sandbox whose root is a tmpfs (as root) they are written once into its
+        /tmp/.devs-secrets; whose root is a plain directory (unprivileged), each exec gets
+        them through pipes onto a tmpfs of its own. Without namespaces they are files in
+        the workspace (a tmpfs as root), removed with it."""
         if box.launcher is not None:
             box.secret_paths = {n: layout.secret_path(n) for n in box.secrets}
-            return
-        d = box.workspace / SECRETS_DIR_IN_WORKSPACE
-        d.mkdir(mode=0o700)
+            if not box.mounted:
+                return
+            d = box.root / "tmp" / Path(layout.SECRETS_DIR).name
+            box.secrets_placed = True
+        else:
+            d = box.workspace / SECRETS_DIR_IN_WORKSPACE
+            d.mkdir(mode=0o700)
+        d.chmod(0o700)
         for name, value in box.secrets.items():
             path = d / name
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o400)
@@ -577,7 +586,8 @@ class ProcessDriver:
                 os.close(fd)
             if box.uid != os.geteuid():
                 os.chown(path, box.uid, box.gid)
-            box.secret_paths[name] = str(path)
+            if box.launcher is None:
+                box.secret_paths[name] = str(path)
         d.chmod(0o500)
         if box.uid != os.geteuid():
             os.chown(d, box.uid, box.gid)
@@ -748,12 +758,17 @@ class ProcessDriver:
             seccomp_fd = launch.child(unshare.memfd("devs-sandbox-seccomp", program))
         lay: layout.Layout | None = None
         if box.launcher is not None:
-            secret_fds = {n: launch.child(fd) for n, fd in self._secret_pipes(box).items()}
+            secret_fds = (
+                {}
+                if box.secrets_placed
+                else {n: launch.child(fd) for n, fd in self._secret_pipes(box).items()}
+            )
             lay = layout.build(
                 root=box.root,
                 hide_paths=box.config.isolation.hide_paths,
                 cgroup_dirs=box.cgroup.dirs if box.cgroup is not None else None,
                 secret_fds=secret_fds,
+                hide_state=box.uid == 0,
             )
         info_w = block_r = None
         if box.network == "pasta":

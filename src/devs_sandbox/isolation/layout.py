@@ -36,6 +36,9 @@ TMP_DIRS: Final = {"/tmp": "tmp", "/var/tmp": "var-tmp", "/dev/shm": "shm"}
 SECRETS_DIR: Final = "/tmp/.devs-secrets"  # a per-exec tmpfs inside the sandbox's /tmp
 SECRETS_TMPFS_BYTES: Final = 4 * 1024 * 1024  # room for a few keys; never on disk
 CGROUP_ROOT: Final = "/sys/fs/cgroup"
+# The sandbox's own controllers it may read (runtimes size heaps and thread pools from
+# memory.max and cpu.max); cpuacct and freezer are ours, not the task's business.
+CGROUP_SHOWN: Final = frozenset({"unified", "memory", "pids", "cpu"})
 # Our own state that a sandbox must not read (lease files name every live sandbox).
 STATE_DIRS: Final = ("/run/devs-sandbox",)
 
@@ -87,21 +90,27 @@ def build(
     hide_paths: Sequence[str],
     cgroup_dirs: Mapping[str, Path] | None = None,
     secret_fds: Mapping[str, int] | None = None,
+    hide_state: bool = True,
 ) -> Layout:
     """The layout of one exec of the sandbox rooted at ``root`` (see the module docstring).
 
     ``cgroup_dirs``: the sandbox's own cgroup directories (v1 controller or ``unified``
     -> host path), bound read-only where the sandbox expects them.
     ``secret_fds``: name -> readable fd holding the value; written to
-    ``SECRETS_DIR/NAME``, 0400, on a tmpfs that lives as long as the exec.
+    ``SECRETS_DIR/NAME``, 0400, on a tmpfs that lives as long as the exec (when the
+    sandbox root is itself a tmpfs, the driver writes them there once instead).
+    ``hide_state``: cover our state directories (lease files name every live sandbox);
+    needed only when the sandbox runs as root, since they are 0700 and ours.
     """
     areas = sandbox_areas(root)
     workspace = str(areas["workspace"])
     ops: list[Op] = [Op("ro-bind", "/", src="/")]
-    ops += hidden_ops(tuple(hide_paths) + STATE_DIRS)
+    ops += hidden_ops(tuple(hide_paths) + (STATE_DIRS if hide_state else ()))
     if Path(CGROUP_ROOT).is_dir():
         ops.append(Op("tmpfs", CGROUP_ROOT, mode=0o755, size_bytes=64 * 1024))
         for ctrl, path in sorted((cgroup_dirs or {}).items()):
+            if ctrl not in CGROUP_SHOWN:
+                continue
             dest = CGROUP_ROOT if ctrl == "unified" else f"{CGROUP_ROOT}/{ctrl}"
             ops.append(Op("ro-bind", dest, src=str(path)))
     ops += [Op("proc", "/proc"), Op("dev", "/dev")]
