@@ -441,7 +441,7 @@ CPU_QUOTA = "cat /sys/fs/cgroup/cpu/cpu.cfs_quota_us /sys/fs/cgroup/cpu.max 2>/d
 
 def _uncapped(quota: str) -> bool:
     """No CFS quota: no cpu cgroup at all (nothing to read), or one without a limit."""
-    return not quota.split() or quota.split()[0] in {"-1", "max"}
+    return not quota.split() or quota.split(maxsplit=1)[0] in {"-1", "max"}
 
 
 def test_one_runaway_task_gets_one_core_by_default(level: dict[str, Any]) -> None:
