@@ -24,13 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, Literal
 
-from devs_sandbox.base import (
-    ClosableDriver,
-    OutputCallback,
-    QuotaAwareDriver,
-    SandboxDriver,
-    StartCallback,
-)
+from devs_sandbox.base import ExecRequest, OutputCallback, SandboxDriver
 from devs_sandbox.config import DevsConfig, SandboxLifecycleConfig, default_db_path, override
 from devs_sandbox.drivers import create_driver
 from devs_sandbox.errors import (
@@ -128,20 +122,11 @@ class Sandbox:
     def remaining_s(self) -> float:
         return self.config.timeout_ms / 1000 - (time.monotonic() - self.opened_at)
 
-    def exec(
-        self,
-        command: str | Sequence[str],
-        *,
-        timeout_s: float | None = None,
-        idle_timeout_s: float | None = None,
-        stdin: bytes | None = None,
-        env: Mapping[str, str] | None = None,
-        on_stdout: OutputCallback | None = None,
-        on_stderr: OutputCallback | None = None,
-        max_output_bytes: int | None = None,
-        on_start: StartCallback | None = None,
-    ) -> ExecResult:
+    def exec(self, command: str | Sequence[str] | ExecRequest, **options: Any) -> ExecResult:
         """Run one command in this sandbox's workspace (a str goes through ``sh -c``).
+
+        ``options`` are the fields of ``ExecRequest`` (``timeout_s``, ``stdin``, ``env``,
+        ``on_stdout``, ...): the request is the one place the exec signature lives.
 
         A sandbox whose total timeout fired, that broke a quota or was cancelled runs
         nothing more: a multi-step task is stopped at its next exec, not only the exec
@@ -150,24 +135,14 @@ class Sandbox:
         if self._destroyed:
             raise SandboxNotFoundError(self.id)
         self._refuse_if_ended()
-        if timeout_s is not None and timeout_s <= 0:
-            raise ValueError("timeout_s must be positive")
-        argv = _argv(command)
-        self.manager.runtimes.check(self.driver, self.config, argv)
+        if isinstance(command, ExecRequest):
+            request = command.replace(**options) if options else command
+        else:
+            request = ExecRequest.of(command, **options)
+        self.manager.runtimes.check(self.driver, self.config, request.argv)
         self.last_activity = time.monotonic()
         try:
-            return self.driver.exec(
-                self.context,
-                argv,
-                timeout_s=timeout_s,
-                idle_timeout_s=idle_timeout_s,
-                stdin=stdin,
-                env=env,
-                on_stdout=on_stdout,
-                on_stderr=on_stderr,
-                max_output_bytes=max_output_bytes,
-                on_start=on_start,
-            )
+            return self.driver.exec(self.context, request)
         finally:
             self.last_activity = time.monotonic()
 
@@ -409,11 +384,10 @@ class SandboxLifecycleManager:
         with self._lock:
             drivers = list(self._drivers.values())
         for driver in drivers:
-            if isinstance(driver, ClosableDriver):
-                try:
-                    driver.close()
-                except Exception:
-                    logger.exception("closing the %s driver failed", driver.name)
+            try:
+                driver.close()
+            except Exception:
+                logger.exception("closing the %s driver failed", driver.name)
         if self.store is not None:
             self.store.close()
 
@@ -583,8 +557,6 @@ class SandboxLifecycleManager:
     def _route_quota_error(self, sandbox: Sandbox, error: QuotaExceededError) -> None:
         """Hand the error to a driver with infrastructure to release for it (Docker: a full
         workspace goes to ResourceExhaustionHandler.on_disk_quota_exceeded)."""
-        if not isinstance(sandbox.driver, QuotaAwareDriver):
-            return
         try:
             sandbox.driver.on_quota_exceeded(sandbox.context, error)
         except Exception:

@@ -9,7 +9,7 @@ driver (the process driver falling back to Docker, whose image may carry it).
 Which runtime a command needs is read from its first word (through ``sh -c``,
 ``env`` and leading ``VAR=value`` assignments); a command that names no known
 runtime is never gated. What a driver provides comes from the driver itself
-(``base.RuntimeProvider``): the process driver looks on the sandbox's PATH, the
+(``SandboxDriver.provided_runtimes``): the process driver looks on the sandbox's PATH, the
 Docker driver reads the image's ``devs.runtimes`` label. A driver or image that
 says nothing is not gated either: unknown is not "missing".
 """
@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import PurePosixPath
 from typing import Final
 
-from devs_sandbox.base import RuntimeProvider, SandboxDriver
+from devs_sandbox.base import SandboxDriver
 from devs_sandbox.config import SandboxLifecycleConfig
 from devs_sandbox.errors import UnsupportedRuntimeError
 from devs_sandbox.models import ENV_NAME
@@ -94,8 +94,6 @@ class RuntimeCompatibilityChecker:
         self, driver: SandboxDriver, config: SandboxLifecycleConfig
     ) -> frozenset[str] | None:
         """Runtimes ``driver`` provides for ``config``; None = it does not say."""
-        if not isinstance(driver, RuntimeProvider):
-            return None
         key = (driver.name, config.image or config.docker.default_image)
         with self._lock:
             if key in self._cache:

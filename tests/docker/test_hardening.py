@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from devs_sandbox.base import ExecRequest
 from devs_sandbox.errors import IsolationUnavailableError, SecurityConfigError
 from devs_sandbox.models import SandboxContext
 from tests.docker.conftest import LABELS, dconfig, session_containers
@@ -63,7 +64,7 @@ def test_the_kernel_enforces_it_inside(driver: Any, sandbox: Callable[..., Sandb
         "ls /sys/class/net; "
         "ulimit -n; pwd; echo $HOME"
     )
-    out = driver.exec(ctx, ["sh", "-c", script])
+    out = driver.exec(ctx, ExecRequest.of(["sh", "-c", script]))
     assert out.exit_code == 0, out.stderr.text
     lines = out.stdout.text.split()
     assert lines[0] == "65534"
@@ -78,7 +79,7 @@ def test_the_kernel_enforces_it_inside(driver: Any, sandbox: Callable[..., Sandb
 def test_network_only_when_asked(driver: Any, sandbox: Callable[..., SandboxContext]) -> None:
     ctx = sandbox(network=True)
     assert "net-namespace" not in ctx.isolation
-    out = driver.exec(ctx, ["ls", "/sys/class/net"])
+    out = driver.exec(ctx, ExecRequest.of(["ls", "/sys/class/net"]))
     assert "eth0" in out.stdout.text.split()
 
 
@@ -87,7 +88,7 @@ def test_host_environment_is_not_inherited(
 ) -> None:
     monkeypatch.setenv("DEVS_TEST_HOST_SECRET", "s3cr3t-value")
     ctx = sandbox(env={"EXPLICIT": "yes"})
-    out = driver.exec(ctx, ["env"], env={"PER_EXEC": "1"})
+    out = driver.exec(ctx, ExecRequest.of(["env"], env={"PER_EXEC": "1"}))
     env = dict(line.split("=", 1) for line in out.stdout.text.splitlines())
     assert "DEVS_TEST_HOST_SECRET" not in env and "s3cr3t" not in out.stdout.text
     assert env["EXPLICIT"] == "yes" and env["PER_EXEC"] == "1"
@@ -198,4 +199,4 @@ def test_a_colliding_fixed_id_never_touches_the_other_sandbox(
     finally:
         other.close()
     assert driver.is_running(ctx) and ctx.workspace.is_dir()
-    assert driver.exec(ctx, ["echo", "untouched"]).stdout.text == "untouched\n"
+    assert driver.exec(ctx, ExecRequest.of(["echo", "untouched"])).stdout.text == "untouched\n"

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from devs_sandbox.base import ExecRequest
 from devs_sandbox.errors import (
     ImageUnavailableError,
     QuotaExceededError,
@@ -67,7 +68,7 @@ def test_metrics_feed_the_drain_detector(
         "mkdir -p a/b/c/d; head -c 300000 /dev/zero > a/b/big; touch f1 f2; "
         "sleep 30 & sleep 30 & echo started"
     )
-    assert driver.exec(ctx, ["sh", "-c", script]).stdout.text == "started\n"
+    assert driver.exec(ctx, ExecRequest.of(["sh", "-c", script])).stdout.text == "started\n"
     m = driver.get_metrics(ctx)
     assert m.running and m.process_count is not None and m.process_count >= 2
     assert m.file_count == 7  # a, b, c, d, big, f1, f2 (the tmpfs root is not counted)

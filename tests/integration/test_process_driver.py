@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from devs_sandbox.base import ExecRequest
 from devs_sandbox.drivers.process import ProcessDriver
 from devs_sandbox.errors import (
     IsolationUnavailableError,
@@ -436,7 +437,7 @@ def test_copy_in_seeds_the_workspace(tmp_path: Path) -> None:
 def test_destroy_is_idempotent_and_leaves_nothing() -> None:
     driver = ProcessDriver()
     ctx = driver.provision(config())
-    driver.exec(ctx, ["sh", "-c", "sleep 100 & echo started"], timeout_s=10)
+    driver.exec(ctx, ExecRequest.of(["sh", "-c", "sleep 100 & echo started"], timeout_s=10))
     assert ctx.workspace.exists()
     driver.destroy(ctx)
     driver.destroy(ctx)
@@ -572,7 +573,7 @@ def test_destroy_during_an_exec_leaves_no_cgroup_fd_open() -> None:
     driver = ProcessDriver()
     ctx = driver.provision(config())
     cg_paths = ctx.labels.get("cgroup", "")
-    t = threading.Thread(target=lambda: driver.exec(ctx, ["sleep", "5"]))
+    t = threading.Thread(target=lambda: driver.exec(ctx, ExecRequest.of(["sleep", "5"])))
     t.start()
     time.sleep(0.3)
     driver.get_metrics(ctx)  # opens the cached control files

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from devs_sandbox.base import ExecRequest
 from devs_sandbox.config import McpConfig, SandboxLifecycleConfig
 from devs_sandbox.drivers.fake import FakeDriver, FakeSandbox, killed_result, ok_result
 from devs_sandbox.errors import (
@@ -226,9 +227,9 @@ def test_the_exec_timeout_is_capped_by_the_sessions_remaining_life() -> None:
     sessions, driver, sched = make(idle=1_000.0, total=100.0)
     real_exec = driver.exec
 
-    def spy(*a: Any, **kw: Any) -> ExecResult:
-        seen.append(kw.get("timeout_s"))
-        return real_exec(*a, **kw)
+    def spy(ctx: Any, request: ExecRequest) -> ExecResult:
+        seen.append(request.timeout_s)
+        return real_exec(ctx, request)
 
     driver.exec = spy  # type: ignore[method-assign]
     sb = sessions.create(CFG)

@@ -55,7 +55,6 @@ import os
 import queue
 import secrets
 import select
-import selectors
 import shutil
 import signal
 import socket
@@ -69,16 +68,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Final
 
-from devs_sandbox.base import Emit, OutputCallback, StartCallback
-from devs_sandbox.capture import HeadTailCapture
+from devs_sandbox.base import Emit, ExecRequest
 from devs_sandbox.config import SandboxLifecycleConfig
+from devs_sandbox.drivers import exec_io
 from devs_sandbox.drivers.process import (
     DEFAULT_PATH,
-    EXIT_DRAIN_GRACE_S,
-    KILL_DRAIN_GRACE_S,
     MAX_SIGNAL,
-    READ_CHUNK,
-    SAMPLE_INTERVAL_S,
     SHIM,
     SHIM_NAME,
 )
@@ -122,7 +117,7 @@ from devs_sandbox.models import (
     new_sandbox_id,
     validate_sandbox_id,
 )
-from devs_sandbox.security.session_keys import Redactor, StreamRedactor, validate_secrets, wipe
+from devs_sandbox.security.session_keys import Redactor, validate_secrets, wipe
 from devs_sandbox.workspace import WorkspaceScanner
 
 if TYPE_CHECKING:
@@ -152,7 +147,8 @@ EXEC_START_TIMEOUT_S: Final = 10.0  # until the engine reports the exec's pid; a
 LAUNCHER_TRAILER_WAIT_S: Final = 5.0  # after the task exits the launcher writes at once
 EXIT_STATUS_WAIT_S: Final = 5.0  # until exec_inspect reports an exited exec's status
 STOP_WAIT_S: Final = 5.0  # after SIGKILL to init the kernel empties the pid namespace in ms
-NO_PIDFD_POLL_S: Final = 0.05  # exit polling through exec_inspect without pidfds
+CD_SHIM: Final = 'cd -- "$0" || exit 1; exec "$@"'
+ENGINE_POLL_S: Final = 0.05  # exit polling through exec_inspect (an API round trip) without pidfds
 POOL_FILL_BACKOFF_S: Final = 5.0  # after a failed warm-container create
 POOL_MAX_SHAPES: Final = 4  # configurations kept warm at once; the least recent is dropped
 REMOVE_FLUSH_S: Final = 60.0  # close() waits this long for background removals
@@ -437,6 +433,80 @@ class _Demux:
             frames.append((self.buf[0], bytes(self.buf[8 : 8 + size])))
             del self.buf[: 8 + size]
         return frames
+
+
+class _AttachStream:
+    """An exec's attach socket as the shared loop sees it: Docker's multiplexed frames,
+    less the launcher's trailers (which carry the exit status), both directions."""
+
+    def __init__(self, sock: socket.socket, nonce: str | None) -> None:
+        self.sock = sock
+        self.demux = _Demux()
+        self.trailers = {1: _Trailer(nonce), 2: _Trailer(nonce)} if nonce else None
+        self.eof = False
+
+    @property
+    def done(self) -> bool:
+        """The command's output is complete: both trailers seen, or the socket closed."""
+        return self.eof or (
+            self.trailers is not None and all(t.done for t in self.trailers.values())
+        )
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def read(self) -> list[tuple[int, bytes]] | None:
+        data = self.sock.recv(exec_io.READ_CHUNK)
+        if not data:
+            self.eof = True
+            return None
+        frames: list[tuple[int, bytes]] = []
+        for stream, frame in self.demux.feed(data):
+            if stream not in (1, 2):
+                continue
+            frames.append((stream, self.trailers[stream].feed(frame) if self.trailers else frame))
+        if self.done:
+            return frames or None
+        return frames
+
+    def finish(self) -> list[tuple[int, bytes]]:
+        if self.trailers is None:
+            return []
+        return [(s, t.flush()) for s, t in self.trailers.items() if not t.done]
+
+    def write(self, data: memoryview) -> int:
+        return self.sock.send(data)
+
+    def close(self) -> None:
+        self.sock.shutdown(socket.SHUT_WR)  # EOF on the command's stdin
+
+
+class _RunningExec:
+    """The exec as the shared loop sees it: exited when its leader's pidfd fires, the
+    launcher's trailers arrive, or the engine says so; killed through its own cgroup."""
+
+    def __init__(self, driver: DockerDriver, box: _Box, ex: _Exec, stream: _AttachStream) -> None:
+        self.driver, self.box, self.ex, self.stream = driver, box, ex, stream
+        self.exited = False
+
+    def exit_fd(self) -> int | None:
+        return self.ex.pidfd
+
+    def poll(self) -> bool:
+        if self.exited:
+            return True
+        if self.stream.trailers is not None and self.stream.done:
+            self.exited = True
+        elif self.ex.pidfd is not None:
+            self.exited = bool(select.select([self.ex.pidfd], [], [], 0)[0])
+        elif self.ex.exec_id is not None:
+            self.exited = not self.driver._exec_running(self.ex.exec_id)
+        elif self.stream.eof:
+            self.exited = True
+        return self.exited
+
+    def kill(self) -> None:
+        self.driver._kill_exec(self.box, self.ex)
 
 
 # -- state ----------------------------------------------------------------------------------
@@ -847,8 +917,10 @@ class DockerDriver:
         for name, value in box.secrets.items():
             result = self._run(
                 box,
-                ["/bin/sh", "-c", SECRET_WRITER, "devs-sandbox-secret", name],
-                stdin=bytes(value),
+                ExecRequest(
+                    ("/bin/sh", "-c", SECRET_WRITER, "devs-sandbox-secret", name),
+                    stdin=bytes(value),
+                ),
                 launcher=False,
             )
             if result.exit_code != 0:
@@ -1006,7 +1078,7 @@ class DockerDriver:
             spool.seek(0)
             result = self._run(
                 box,
-                ["tar", "-x", "-o", "-f", "-", "-C", WORKSPACE],
+                ExecRequest(("tar", "-x", "-o", "-f", "-", "-C", WORKSPACE)),
                 stdin_file=spool,
                 launcher=False,
             )
@@ -1025,61 +1097,25 @@ class DockerDriver:
             raise SandboxNotFoundError(ctx.id)
         return box
 
-    def exec(
-        self,
-        ctx: SandboxContext,
-        command: Sequence[str],
-        *,
-        timeout_s: float | None = None,
-        idle_timeout_s: float | None = None,
-        stdin: bytes | None = None,
-        env: Mapping[str, str] | None = None,
-        on_stdout: OutputCallback | None = None,
-        on_stderr: OutputCallback | None = None,
-        max_output_bytes: int | None = None,
-        on_start: StartCallback | None = None,
-    ) -> ExecResult:
-        if not command:
-            raise ValueError("command must not be empty")
-        if any("\0" in arg for arg in command):
-            raise ValueError("embedded null byte in the command")
-        for name, value in (env or {}).items():
-            if not name or "=" in name or "\0" in name:
-                raise ValueError(f"invalid environment variable name {name!r}")
-            if "\0" in value:
-                raise ValueError(f"embedded null byte in environment variable {name}")
+    def exec(self, ctx: SandboxContext, request: ExecRequest) -> ExecResult:
         box = self._box(ctx)
-        return self._run(
-            box,
-            command,
-            timeout_s=timeout_s,
-            idle_timeout_s=idle_timeout_s,
-            stdin=stdin,
-            env={**box.secret_env, **(env or {})},
-            on_stdout=on_stdout,
-            on_stderr=on_stderr,
-            max_output_bytes=max_output_bytes,
-            on_start=on_start,
-        )
+        return self._run(box, request.replace(env={**box.secret_env, **request.env}))
 
     def _run(
         self,
         box: _Box,
-        command: Sequence[str],
+        request: ExecRequest,
         *,
-        timeout_s: float | None = None,
-        idle_timeout_s: float | None = None,
-        stdin: bytes | None = None,
         stdin_file: IO[bytes] | None = None,
-        env: Mapping[str, str] | None = None,
-        on_stdout: OutputCallback | None = None,
-        on_stderr: OutputCallback | None = None,
-        max_output_bytes: int | None = None,
-        on_start: StartCallback | None = None,
         launcher: bool = True,
     ) -> ExecResult:
+        command, stdin = request.argv, request.stdin
+        max_output_bytes = request.max_output_bytes
+        if request.cwd is not None:
+            # A directory of the workspace: the shell changes into it, then becomes the command.
+            command = ("/bin/sh", "-c", CD_SHIM, f"{WORKSPACE}/{request.cwd}", *command)
         cap = box.config.max_output_bytes if max_output_bytes is None else max_output_bytes
-        extra = dict(env or {})
+        extra = dict(request.env)
         sock: socket.socket | None = None
         through_launcher = (
             launcher
@@ -1108,23 +1144,13 @@ class DockerDriver:
         else:
             ex = self._start_exec(box, command, extra, stdin is not None or stdin_file is not None)
         try:
-            if on_start is not None:
+            if request.on_start is not None:
                 try:
-                    on_start(ex.pid)
+                    request.on_start(ex.pid)
                 except Exception:
                     logger.exception("on_start callback failed")
             return self._pump(
-                box,
-                ex,
-                start=start,
-                timeout_s=timeout_s,
-                idle_timeout_s=idle_timeout_s,
-                stdin=stdin,
-                stdin_file=stdin_file,
-                on_stdout=on_stdout,
-                on_stderr=on_stderr,
-                cap=cap,
-                cpu_before=cpu_before,
+                box, ex, request, start=start, stdin_file=stdin_file, cap=cap, cpu_before=cpu_before
             )
         finally:
             with contextlib.suppress(OSError):
@@ -1265,165 +1291,51 @@ class DockerDriver:
         self,
         box: _Box,
         ex: _Exec,
+        request: ExecRequest,
         *,
         start: float,
-        timeout_s: float | None,
-        idle_timeout_s: float | None,
-        stdin: bytes | None,
         stdin_file: IO[bytes] | None,
-        on_stdout: OutputCallback | None,
-        on_stderr: OutputCallback | None,
         cap: int,
         cpu_before: float | None,
     ) -> ExecResult:
-        sock = ex.sock
-        sock.setblocking(False)
-        captures = {1: HeadTailCapture(cap), 2: HeadTailCapture(cap)}
-        callbacks = {1: on_stdout, 2: on_stderr}
-        trailers = {1: _Trailer(ex.nonce), 2: _Trailer(ex.nonce)} if ex.nonce else None
-        demux = _Demux()
-        pending_in: memoryview | None = memoryview(stdin) if stdin is not None else None
-        feeding = stdin is not None or stdin_file is not None
-        sel = selectors.DefaultSelector()
-        sel.register(sock, selectors.EVENT_READ | (selectors.EVENT_WRITE if feeding else 0), "io")
-        if ex.pidfd is not None:
-            sel.register(ex.pidfd, selectors.EVENT_READ, "exit")
-        deadline = None if timeout_s is None else start + timeout_s
-        last_output = start
-        exited_at: float | None = None
-        killed_at: float | None = None
-        eof = False
-        timed_out = idle_timed_out = False
-        next_sample = start
-        next_poll = start + NO_PIDFD_POLL_S
-
-        # Secrets are redacted before anything keeps or forwards a byte of output.
-        redactors: dict[int, StreamRedactor] = (
-            {1: box.redactor.stream(), 2: box.redactor.stream()} if box.redactor else {}
+        ex.sock.setblocking(False)
+        stream = _AttachStream(ex.sock, ex.nonce)
+        feeding = request.stdin is not None or stdin_file is not None
+        io = exec_io.ExecIO(
+            sources=[stream],
+            process=_RunningExec(self, box, ex, stream),
+            stdin=stream if feeding else None,
+            stdin_data=request.stdin if request.stdin is not None else (b"" if feeding else None),
+            stdin_file=stdin_file,
+            sample=lambda: self._sample_processes(box),
+            # After the task exits the launcher writes its trailers at once; a plain exec's
+            # stream may be held by a grandchild, as a pipe would be.
+            exit_grace_s=LAUNCHER_TRAILER_WAIT_S if ex.nonce else exec_io.EXIT_DRAIN_GRACE_S,
+            exit_poll_s=ENGINE_POLL_S,
         )
-
-        def deliver(stream: int, data: bytes, *, final: bool = False) -> None:
-            red = redactors.get(stream)
-            if red is not None:
-                data = red.feed(data) + (red.flush() if final else b"")
-            if not data:
-                return
-            captures[stream].feed(data)
-            cb = callbacks[stream]
-            if cb is not None:
-                try:
-                    cb(data)
-                except Exception:
-                    logger.exception("output callback failed")
-
-        def finished(now: float) -> bool:
-            if trailers is not None:
-                if all(t.done for t in trailers.values()) or eof:
-                    return True
-                if exited_at is not None and now - exited_at > LAUNCHER_TRAILER_WAIT_S:
-                    return True
-            else:
-                if eof and exited_at is not None:
-                    return True
-                if exited_at is not None and now - exited_at > EXIT_DRAIN_GRACE_S:
-                    return True  # a grandchild holds the stream; the command itself is done
-            return killed_at is not None and now - killed_at > KILL_DRAIN_GRACE_S
-
-        try:
-            while True:
-                now = time.monotonic()
-                if finished(now):
-                    break
-                if killed_at is None:
-                    if deadline is not None and now >= deadline:
-                        timed_out = True
-                    elif idle_timeout_s is not None and now - last_output >= idle_timeout_s:
-                        idle_timed_out = True
-                    if timed_out or idle_timed_out:
-                        self._kill_exec(box, ex)
-                        killed_at = time.monotonic()
-                        continue
-                if now >= next_sample:
-                    self._sample_processes(box)
-                    next_sample = now + SAMPLE_INTERVAL_S
-                if exited_at is None and ex.pidfd is None and ex.exec_id and now >= next_poll:
-                    if not self._exec_running(ex.exec_id):
-                        exited_at = now
-                    next_poll = now + NO_PIDFD_POLL_S
-                waits = [next_sample - now]
-                if killed_at is None:
-                    if deadline is not None:
-                        waits.append(deadline - now)
-                    if idle_timeout_s is not None:
-                        waits.append(last_output + idle_timeout_s - now)
-                else:
-                    waits.append(killed_at + KILL_DRAIN_GRACE_S - now)
-                if exited_at is not None:
-                    grace = LAUNCHER_TRAILER_WAIT_S if trailers else EXIT_DRAIN_GRACE_S
-                    waits.append(exited_at + grace - now)
-                elif ex.pidfd is None:
-                    waits.append(next_poll - now)
-                for key, mask in sel.select(max(0.0, min(waits))):
-                    if key.data == "exit":
-                        sel.unregister(key.fd)
-                        exited_at = time.monotonic()
-                        continue
-                    if mask & selectors.EVENT_WRITE:
-                        if pending_in is None or not len(pending_in):
-                            chunk = stdin_file.read(READ_CHUNK) if stdin_file is not None else b""
-                            pending_in = memoryview(chunk) if chunk else None
-                        if pending_in is not None and len(pending_in):
-                            try:
-                                n = sock.send(pending_in[:READ_CHUNK])
-                                pending_in = pending_in[n:]
-                            except BlockingIOError:
-                                pass
-                            except OSError:
-                                pending_in, stdin_file = None, None
-                        if pending_in is None or (not len(pending_in) and stdin_file is None):
-                            with contextlib.suppress(OSError):
-                                sock.shutdown(socket.SHUT_WR)  # EOF on the command's stdin
-                            sel.modify(sock, selectors.EVENT_READ, "io")
-                            feeding = False
-                    if mask & selectors.EVENT_READ:
-                        try:
-                            data = sock.recv(READ_CHUNK)
-                        except BlockingIOError:
-                            continue
-                        except OSError:
-                            data = b""
-                        if not data:
-                            eof = True
-                            sel.unregister(sock)
-                            if exited_at is None and ex.pidfd is None and trailers is None:
-                                exited_at = (
-                                    time.monotonic() if not self._exec_running(ex.exec_id) else None
-                                )
-                            continue
-                        last_output = time.monotonic()
-                        for stream, frame in demux.feed(data):
-                            if stream not in (1, 2):
-                                continue
-                            deliver(stream, trailers[stream].feed(frame) if trailers else frame)
-        finally:
-            sel.close()
-        for stream in (1, 2):
-            trailer = trailers[stream] if trailers is not None else None
-            deliver(stream, trailer.flush() if trailer and not trailer.done else b"", final=True)
-        end = time.monotonic()
-        code = self._exit_status(box, ex, trailers)
+        outcome = exec_io.run(
+            io,
+            timeout_s=request.timeout_s,
+            idle_timeout_s=request.idle_timeout_s,
+            max_output_bytes=cap,
+            redactor=box.redactor,
+            on_stdout=request.on_stdout,
+            on_stderr=request.on_stderr,
+            start=start,
+        )
+        code = self._exit_status(box, ex, stream.trailers)
         if code is None:  # the container or the launcher died under the command
             code = 128 + signal.SIGKILL
         self._sample_processes(box)
         return ExecResult(
             exit_code=code,
-            stdout=captures[1].result(),
-            stderr=captures[2].result(),
-            duration_s=end - start,
-            timed_out=timed_out,
-            idle_timed_out=idle_timed_out,
+            stdout=outcome.stdout,
+            stderr=outcome.stderr,
+            duration_s=outcome.duration_s,
+            timed_out=outcome.timed_out,
+            idle_timed_out=outcome.idle_timed_out,
             signal=_signal_of(code),
-            resources=self._usage(box, end - start, cpu_before),
+            resources=self._usage(box, outcome.duration_s, cpu_before),
         )
 
     def _exec_running(self, exec_id: str | None) -> bool:

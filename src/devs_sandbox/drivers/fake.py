@@ -13,9 +13,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from devs_sandbox.base import OutputCallback, StartCallback
+from devs_sandbox.base import ExecRequest
 from devs_sandbox.config import SandboxLifecycleConfig
-from devs_sandbox.errors import ProvisionError, SandboxNotFoundError
+from devs_sandbox.errors import ProvisionError, QuotaExceededError, SandboxNotFoundError
 from devs_sandbox.models import (
     CapturedStream,
     ExecResult,
@@ -55,6 +55,7 @@ class FakeSandbox:
     ctx: SandboxContext
     config: SandboxLifecycleConfig
     commands: list[list[str]] = field(default_factory=list)
+    requests: list[ExecRequest] = field(default_factory=list)
     stopped: threading.Event = field(default_factory=threading.Event)
     force_stops: int = 0
     samples: int = 0
@@ -74,6 +75,7 @@ class FakeDriver:
         metrics: Iterable[SandboxMetrics] | MetricsHandler | None = None,
         isolation: tuple[str, ...] = ("fake",),
         fail_provision: bool = False,
+        runtimes: frozenset[str] | None = None,
     ) -> None:
         self.exec_handler = exec_handler or (lambda _sb, _cmd: ok_result())
         self._metrics_handler: MetricsHandler | None = None
@@ -88,6 +90,9 @@ class FakeDriver:
         self.destroyed: list[str] = []
         self.provisioned: list[str] = []
         self.secret_names: list[list[str]] = []  # names only: a fake has no business keeping values
+        self.runtimes = runtimes  # what provided_runtimes answers (None: cannot tell)
+        self.quota_errors: list[tuple[str, QuotaExceededError]] = []
+        self.closed = False
         self._lock = threading.Lock()
 
     def isolation_report(self, config: SandboxLifecycleConfig) -> dict[str, str]:
@@ -124,28 +129,16 @@ class FakeDriver:
             raise SandboxNotFoundError(ctx.id)
         return sb
 
-    def exec(
-        self,
-        ctx: SandboxContext,
-        command: Sequence[str],
-        *,
-        timeout_s: float | None = None,
-        idle_timeout_s: float | None = None,
-        stdin: bytes | None = None,
-        env: Mapping[str, str] | None = None,
-        on_stdout: OutputCallback | None = None,
-        on_stderr: OutputCallback | None = None,
-        max_output_bytes: int | None = None,
-        on_start: StartCallback | None = None,
-    ) -> ExecResult:
-        del idle_timeout_s, stdin, env, max_output_bytes
+    def exec(self, ctx: SandboxContext, request: ExecRequest) -> ExecResult:
         sb = self._get(ctx)
-        sb.commands.append(list(command))
-        if on_start is not None and sb.pid is not None:
-            on_start(sb.pid)
+        command = list(request.argv)
+        sb.commands.append(command)
+        sb.requests.append(request)
+        if request.on_start is not None and sb.pid is not None:
+            request.on_start(sb.pid)
         start = time.monotonic()
         result = self.exec_handler(sb, command)
-        if timeout_s is not None and time.monotonic() - start > timeout_s:
+        if request.timeout_s is not None and time.monotonic() - start > request.timeout_s:
             result = ExecResult(
                 exit_code=137,
                 stdout=result.stdout,
@@ -154,10 +147,10 @@ class FakeDriver:
                 timed_out=True,
                 signal=9,
             )
-        if on_stdout is not None and result.stdout.text:
-            on_stdout(result.stdout.text.encode())
-        if on_stderr is not None and result.stderr.text:
-            on_stderr(result.stderr.text.encode())
+        if request.on_stdout is not None and result.stdout.text:
+            request.on_stdout(result.stdout.text.encode())
+        if request.on_stderr is not None and result.stderr.text:
+            request.on_stderr(result.stderr.text.encode())
         return result
 
     def get_metrics(self, ctx: SandboxContext) -> SandboxMetrics:
@@ -192,3 +185,17 @@ class FakeDriver:
 
     def reap_orphans(self) -> list[str]:
         return []
+
+    def member_pids(self, ctx: SandboxContext) -> list[int]:
+        sb = self._get(ctx)
+        return [] if sb.pid is None else [sb.pid]
+
+    def provided_runtimes(self, config: SandboxLifecycleConfig) -> frozenset[str] | None:
+        del config
+        return self.runtimes
+
+    def on_quota_exceeded(self, ctx: SandboxContext, error: QuotaExceededError) -> None:
+        self.quota_errors.append((ctx.id, error))
+
+    def close(self) -> None:
+        self.closed = True

@@ -34,7 +34,6 @@ import os
 import pwd
 import resource
 import select
-import selectors
 import shlex
 import shutil
 import signal
@@ -42,18 +41,19 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final
+from typing import IO, Final
 
-from devs_sandbox.base import Emit, OutputCallback, StartCallback
-from devs_sandbox.capture import HeadTailCapture
+from devs_sandbox.base import Emit, ExecRequest
 from devs_sandbox.config import SandboxLifecycleConfig
+from devs_sandbox.drivers import exec_io
 from devs_sandbox.errors import (
     DriverError,
     IsolationUnavailableError,
     ProvisionError,
+    QuotaExceededError,
     SandboxNotFoundError,
     WeakerIsolationError,
 )
@@ -84,7 +84,7 @@ from devs_sandbox.models import (
 )
 from devs_sandbox.runtimes import RUNTIME_BINARIES
 from devs_sandbox.security.environment import EnvironmentSanitizer
-from devs_sandbox.security.session_keys import Redactor, StreamRedactor, validate_secrets, wipe
+from devs_sandbox.security.session_keys import Redactor, validate_secrets, wipe
 from devs_sandbox.workspace import WorkspaceScanner
 
 logger = logging.getLogger(__name__)
@@ -116,11 +116,6 @@ SHIM_NAME: Final = "devs-sandbox-shim"
 PRIVILEGED_ENV: Final = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
 ENV_SHIM: Final = '. "/dev/fd/$1" || exit 125; shift; exec "$@"'
 ENV_SHIM_NAME: Final = "devs-sandbox-env"
-READ_CHUNK: Final = 65_536
-EXIT_DRAIN_GRACE_S: Final = 0.2  # after exit, how long a grandchild may keep our pipes open
-KILL_DRAIN_GRACE_S: Final = 0.5  # after a kill, how long to wait for pipes to close
-SAMPLE_INTERVAL_S: Final = 0.05  # peak process count sampling while an exec runs
-NO_PIDFD_POLL_S: Final = 0.01  # exit polling when the kernel has no pidfd (< 5.3)
 MAX_SIGNAL: Final = 64
 TUN_DEVICE: Final = "/dev/net/tun"
 NS_GET_USERNS: Final = 0xB701  # ioctl_ns(2): the user namespace owning a namespace
@@ -674,37 +669,27 @@ class ProcessDriver:
             )
         return argv
 
-    def exec(
-        self,
-        ctx: SandboxContext,
-        command: Sequence[str],
-        *,
-        timeout_s: float | None = None,
-        idle_timeout_s: float | None = None,
-        stdin: bytes | None = None,
-        env: Mapping[str, str] | None = None,
-        on_stdout: OutputCallback | None = None,
-        on_stderr: OutputCallback | None = None,
-        max_output_bytes: int | None = None,
-        on_start: StartCallback | None = None,
-    ) -> ExecResult:
-        if not command:
-            raise ValueError("command must not be empty")
+    def exec(self, ctx: SandboxContext, request: ExecRequest) -> ExecResult:
         box = self._box(ctx)
-        for name, value in (env or {}).items():
-            if not ENV_NAME.fullmatch(name) or "\0" in value:
+        for name in request.env:
+            if not ENV_NAME.fullmatch(name):  # exported through a shell or --setenv
                 raise ValueError(f"invalid environment variable {name!r}")
-        cap = box.config.max_output_bytes if max_output_bytes is None else max_output_bytes
+        cwd = box.workspace if request.cwd is None else box.workspace / request.cwd
+        cap = (
+            box.config.max_output_bytes
+            if request.max_output_bytes is None
+            else request.max_output_bytes
+        )
         launch = _Launch()
         try:
-            self._prepare_launch(box, command, self._env(box, env), launch)
+            self._prepare_launch(box, request.argv, self._env(box, request.env), launch, cwd)
             self_join = box.cgroup.self_join_files() if box.cgroup is not None else []
             argv = [
                 "/bin/sh",
                 "-c",
                 SHIM,
                 SHIM_NAME,
-                "0" if stdin is None else "1",
+                "0" if request.stdin is None else "1",
                 str(len(self_join)),
                 *self_join,
                 *launch.argv,
@@ -712,17 +697,11 @@ class ProcessDriver:
             return self._exec(
                 box,
                 argv,
+                request,
                 parent_joins_cgroup=box.cgroup is not None and not self_join,
-                env=launch.env,
-                pass_fds=tuple(launch.child_fds),
                 launch=launch,
                 cap=cap,
-                timeout_s=timeout_s,
-                idle_timeout_s=idle_timeout_s,
-                stdin=stdin,
-                on_stdout=on_stdout,
-                on_stderr=on_stderr,
-                on_start=on_start,
+                cwd=cwd,
             )
         finally:
             launch.close()
@@ -730,7 +709,12 @@ class ProcessDriver:
                 _stop_pasta(pidfd)
 
     def _prepare_launch(
-        self, box: _Box, command: Sequence[str], full_env: dict[str, str], launch: _Launch
+        self,
+        box: _Box,
+        command: Sequence[str],
+        full_env: dict[str, str],
+        launch: _Launch,
+        cwd: Path,
     ) -> None:
         """The argv after the shim, its environment and the fds it inherits: bwrap or our
         unshare launcher with the sandbox's layout, seccomp program and (for pasta) the
@@ -769,6 +753,7 @@ class ProcessDriver:
                 cgroup_dirs=box.cgroup.dirs if box.cgroup is not None else None,
                 secret_fds=secret_fds,
                 hide_state=box.uid == 0,
+                chdir=cwd,
             )
         info_w = block_r = None
         if box.network == "pasta":
@@ -937,18 +922,12 @@ class ProcessDriver:
         self,
         box: _Box,
         argv: list[str],
+        request: ExecRequest,
         *,
         parent_joins_cgroup: bool,
-        env: Mapping[str, str],
-        pass_fds: tuple[int, ...],
-        launch: _Launch | None = None,
+        launch: _Launch,
         cap: int,
-        timeout_s: float | None,
-        idle_timeout_s: float | None,
-        stdin: bytes | None,
-        on_stdout: OutputCallback | None,
-        on_stderr: OutputCallback | None,
-        on_start: StartCallback | None,
+        cwd: Path,
     ) -> ExecResult:
         if box.cgroup is not None and box.cgroup.support.version == 1:
             # Per-exec peak: v1 lets us reset the high-water mark.
@@ -964,17 +943,19 @@ class ProcessDriver:
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
-                cwd=box.workspace,
-                env=dict(env),
+                # With a launcher, it changes directory inside the new root.
+                cwd=cwd if box.launcher is None else "/",
+                env=dict(launch.env),
                 start_new_session=True,
                 close_fds=True,
-                pass_fds=pass_fds,
+                pass_fds=tuple(launch.child_fds),
             )
         except OSError as exc:
             raise DriverError(f"cannot start sandbox process: {exc}") from exc
-        assert proc.stdin is not None
+        assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
         with box.lock:
             box.procs[proc.pid] = proc
+        child = _Child(proc, lambda: self._kill_exec(box, proc))
         try:
             try:
                 for res, value in self._rlimits(box):
@@ -982,41 +963,61 @@ class ProcessDriver:
                 if parent_joins_cgroup and box.cgroup is not None:
                     box.cgroup.add(proc.pid)  # v2: only the parent can move it
                 os.write(proc.stdin.fileno(), b"go\n")
-                if launch is not None:
-                    self._after_go(box, proc, launch)
+                self._after_go(box, proc, launch)
             except (OSError, DriverError) as exc:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                if box.cgroup is not None and box.launcher is None:
-                    box.cgroup.kill_all()
+                self._kill_exec(box, proc)
                 proc.wait()
                 if isinstance(exc, DriverError):
                     raise
                 raise DriverError(f"cannot confine sandbox process: {exc}") from exc
-            if on_start is not None:
+            if request.on_start is not None:
                 try:
-                    on_start(proc.pid)
+                    request.on_start(proc.pid)
                 except Exception:
                     logger.exception("on_start callback failed")
-            return self._communicate(
-                box,
-                proc,
-                start=start,
-                timeout_s=timeout_s,
-                idle_timeout_s=idle_timeout_s,
-                stdin=stdin,
-                on_stdout=on_stdout,
-                on_stderr=on_stderr,
-                cap=cap,
-                cpu_before=cpu_before,
+            io = exec_io.ExecIO(
+                sources=[_Pipe(proc.stdout, exec_io.STDOUT), _Pipe(proc.stderr, exec_io.STDERR)],
+                process=child,
+                stdin=_Pipe(proc.stdin, 0) if request.stdin is not None else None,
+                stdin_data=request.stdin,
+                sample=lambda: self._sample_processes(box, proc),
             )
+            if request.stdin is None:
+                proc.stdin.close()
+            outcome = exec_io.run(
+                io,
+                timeout_s=request.timeout_s,
+                idle_timeout_s=request.idle_timeout_s,
+                max_output_bytes=cap,
+                redactor=box.redactor,
+                on_stdout=request.on_stdout,
+                on_stderr=request.on_stderr,
+                start=start,
+            )
+            if not child.poll():
+                self._kill_exec(box, proc)
+                child.reap(block=True)
         finally:
+            child.close()
             with box.lock:
                 box.procs.pop(proc.pid, None)
             for stream in (proc.stdin, proc.stdout, proc.stderr):
-                if stream is not None:
-                    with contextlib.suppress(OSError):
-                        stream.close()
+                with contextlib.suppress(OSError):
+                    stream.close()
+        assert child.status is not None
+        code, signaled = _exit_code_from_status(child.status)
+        sig = _signal_from_code(code, signaled, box.launcher is not None)
+        self._sample_processes(box, proc)
+        return ExecResult(
+            exit_code=code,
+            stdout=outcome.stdout,
+            stderr=outcome.stderr,
+            duration_s=outcome.duration_s,
+            timed_out=outcome.timed_out,
+            idle_timed_out=outcome.idle_timed_out,
+            signal=sig,
+            resources=self._usage(box, child.rusage, outcome.duration_s, cpu_before),
+        )
 
     def _kill_exec(self, box: _Box, proc: subprocess.Popen[bytes]) -> None:
         # The leader's pid is the process group id (start_new_session); never getpgid()
@@ -1026,169 +1027,6 @@ class ProcessDriver:
         if box.launcher is None and box.cgroup is not None:
             # Without a pid namespace, a setsid grandchild is only reachable by cgroup.
             box.cgroup.kill_all()
-
-    def _communicate(
-        self,
-        box: _Box,
-        proc: subprocess.Popen[bytes],
-        *,
-        start: float,
-        timeout_s: float | None,
-        idle_timeout_s: float | None,
-        stdin: bytes | None,
-        on_stdout: OutputCallback | None,
-        on_stderr: OutputCallback | None,
-        cap: int,
-        cpu_before: float | None,
-    ) -> ExecResult:
-        assert proc.stdout is not None and proc.stderr is not None
-        captures = {"out": HeadTailCapture(cap), "err": HeadTailCapture(cap)}
-        callbacks = {"out": on_stdout, "err": on_stderr}
-        # Secrets are redacted before anything keeps or forwards a byte of output.
-        redactors: dict[str, StreamRedactor] = (
-            {"out": box.redactor.stream(), "err": box.redactor.stream()} if box.redactor else {}
-        )
-
-        def deliver(tag: str, chunk: bytes) -> None:
-            if not chunk:
-                return
-            captures[tag].feed(chunk)
-            cb = callbacks[tag]
-            if cb is not None:
-                try:
-                    cb(chunk)
-                except Exception:
-                    logger.exception("output callback failed")
-
-        sel = selectors.DefaultSelector()
-        sel.register(proc.stdout.fileno(), selectors.EVENT_READ, "out")
-        sel.register(proc.stderr.fileno(), selectors.EVENT_READ, "err")
-        open_streams = 2
-        pidfd: int | None = None
-        try:
-            pidfd = os.pidfd_open(proc.pid)
-            sel.register(pidfd, selectors.EVENT_READ, "exit")
-        except (AttributeError, OSError):
-            pidfd = None
-        stdin_view = memoryview(stdin) if stdin is not None else None
-        if proc.stdin is not None:
-            if stdin_view is not None and len(stdin_view):
-                os.set_blocking(proc.stdin.fileno(), False)
-                sel.register(proc.stdin.fileno(), selectors.EVENT_WRITE, "in")
-            else:
-                proc.stdin.close()
-        deadline = None if timeout_s is None else start + timeout_s
-        last_output = start
-        exited_at: float | None = None
-        killed_at: float | None = None
-        timed_out = idle_timed_out = False
-        next_sample = start + SAMPLE_INTERVAL_S
-        status: int | None = None
-        rusage: resource.struct_rusage | None = None
-
-        def reap(block: bool) -> bool:
-            nonlocal status, rusage
-            if status is not None:
-                return True
-            try:
-                pid, st, ru = os.wait4(proc.pid, 0 if block else os.WNOHANG)
-            except ChildProcessError:
-                status = 0
-                return True
-            if pid == 0:
-                return False
-            status, rusage = st, ru
-            proc.returncode = os.waitstatus_to_exitcode(st)
-            return True
-
-        try:
-            while True:
-                now = time.monotonic()
-                if exited_at is None and (pidfd is None or killed_at is not None) and reap(False):
-                    exited_at = now
-                if exited_at is not None and open_streams == 0:
-                    break
-                if exited_at is not None and now - exited_at > EXIT_DRAIN_GRACE_S:
-                    break  # a grandchild holds the pipes; the command itself is done
-                if killed_at is not None and now - killed_at > KILL_DRAIN_GRACE_S:
-                    break
-                if killed_at is None:
-                    if deadline is not None and now >= deadline:
-                        timed_out = True
-                    elif idle_timeout_s is not None and now - last_output >= idle_timeout_s:
-                        idle_timed_out = True
-                    if timed_out or idle_timed_out:
-                        self._kill_exec(box, proc)
-                        killed_at = now
-                        continue
-                if now >= next_sample:
-                    self._sample_processes(box, proc)
-                    next_sample = now + SAMPLE_INTERVAL_S
-                waits = [next_sample - now]
-                if killed_at is None:
-                    if deadline is not None:
-                        waits.append(deadline - now)
-                    if idle_timeout_s is not None:
-                        waits.append(last_output + idle_timeout_s - now)
-                if pidfd is None or killed_at is not None:
-                    waits.append(NO_PIDFD_POLL_S)
-                if exited_at is not None:
-                    waits.append(exited_at + EXIT_DRAIN_GRACE_S - now)
-                for key, _mask in sel.select(max(0.0, min(waits))):
-                    tag = key.data
-                    if tag == "exit":
-                        sel.unregister(key.fd)
-                        reap(True)
-                        exited_at = time.monotonic()
-                    elif tag == "in":
-                        assert stdin_view is not None and proc.stdin is not None
-                        try:
-                            n = os.write(key.fd, stdin_view[:READ_CHUNK])
-                            stdin_view = stdin_view[n:]
-                        except BlockingIOError:
-                            continue
-                        except (BrokenPipeError, OSError):
-                            stdin_view = stdin_view[:0]
-                        if not len(stdin_view):
-                            sel.unregister(key.fd)
-                            with contextlib.suppress(OSError):
-                                proc.stdin.close()
-                    else:
-                        try:
-                            chunk = os.read(key.fd, READ_CHUNK)
-                        except OSError:
-                            chunk = b""
-                        if not chunk:
-                            sel.unregister(key.fd)
-                            open_streams -= 1
-                            continue
-                        last_output = time.monotonic()
-                        red = redactors.get(tag)
-                        deliver(tag, red.feed(chunk) if red else chunk)
-        finally:
-            sel.close()
-            if pidfd is not None:
-                os.close(pidfd)
-            if status is None and not reap(False):
-                self._kill_exec(box, proc)
-                reap(True)
-        for tag, red in redactors.items():
-            deliver(tag, red.flush())
-        end = time.monotonic()
-        assert status is not None
-        code, signaled = _exit_code_from_status(status)
-        sig = _signal_from_code(code, signaled, box.launcher is not None)
-        self._sample_processes(box, proc)
-        return ExecResult(
-            exit_code=code,
-            stdout=captures["out"].result(),
-            stderr=captures["err"].result(),
-            duration_s=end - start,
-            timed_out=timed_out,
-            idle_timed_out=idle_timed_out,
-            signal=sig,
-            resources=self._usage(box, rusage, end - start, cpu_before),
-        )
 
     def _sample_processes(self, box: _Box, proc: subprocess.Popen[bytes]) -> None:
         n: int | None = None
@@ -1274,6 +1112,13 @@ class ProcessDriver:
             oom_kills=counters.oom_kills if counters else None,
             running=self._running(box),
         )
+
+    def on_quota_exceeded(self, ctx: SandboxContext, error: QuotaExceededError) -> None:
+        """Nothing beyond destroy to release: the kernel already stopped the task."""
+        del ctx, error
+
+    def close(self) -> None:
+        """Nothing process-wide to release (reaping happens per start and on cleanup)."""
 
     def member_pids(self, ctx: SandboxContext) -> list[int]:
         """Every process of the sandbox (its cgroup); empty without a cgroup. Observers
@@ -1420,6 +1265,75 @@ class ProcessDriver:
             except Exception:
                 logger.exception("reaping leftover sandbox %s failed", sandbox_id)
         return reaped
+
+
+class _Pipe:
+    """One of the exec's pipes as the shared loop sees it (an output source or stdin)."""
+
+    def __init__(self, stream: IO[bytes], tag: int) -> None:
+        self.fd = stream.fileno()
+        self.stream = stream
+        self.tag = tag
+        os.set_blocking(self.fd, False)
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def read(self) -> list[tuple[int, bytes]] | None:
+        data = os.read(self.fd, exec_io.READ_CHUNK)
+        return None if not data else [(self.tag, data)]
+
+    def finish(self) -> list[tuple[int, bytes]]:
+        return []
+
+    def write(self, data: memoryview) -> int:
+        return os.write(self.fd, data)
+
+    def close(self) -> None:
+        self.stream.close()
+
+
+class _Child:
+    """The exec's leader: a pidfd for its exit (Linux 5.3+; polled otherwise), wait4 for
+    its status and rusage, and the kill that reaches its whole tree."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], kill: Callable[[], None]) -> None:
+        self.proc = proc
+        self._kill = kill
+        self.status: int | None = None
+        self.rusage: resource.struct_rusage | None = None
+        try:
+            self.pidfd: int | None = os.pidfd_open(proc.pid)
+        except (AttributeError, OSError):
+            self.pidfd = None
+
+    def exit_fd(self) -> int | None:
+        return self.pidfd
+
+    def poll(self) -> bool:
+        return self.reap(block=False)
+
+    def reap(self, *, block: bool) -> bool:
+        if self.status is not None:
+            return True
+        try:
+            pid, status, rusage = os.wait4(self.proc.pid, 0 if block else os.WNOHANG)
+        except ChildProcessError:
+            self.status = 0
+            return True
+        if pid == 0:
+            return False
+        self.status, self.rusage = status, rusage
+        self.proc.returncode = os.waitstatus_to_exitcode(status)
+        return True
+
+    def kill(self) -> None:
+        self._kill()
+
+    def close(self) -> None:
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
 
 
 @dataclass

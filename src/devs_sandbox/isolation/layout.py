@@ -91,6 +91,7 @@ def build(
     cgroup_dirs: Mapping[str, Path] | None = None,
     secret_fds: Mapping[str, int] | None = None,
     hide_state: bool = True,
+    chdir: Path | None = None,
 ) -> Layout:
     """The layout of one exec of the sandbox rooted at ``root`` (see the module docstring).
 
@@ -123,7 +124,7 @@ def build(
         for name, fd in secret_fds.items():
             ops.append(Op("file", f"{SECRETS_DIR}/{name}", fd=fd, mode=0o400))
             fds.append(fd)
-    return Layout(tuple(ops), chdir=workspace, fds=tuple(fds))
+    return Layout(tuple(ops), chdir=str(chdir) if chdir is not None else workspace, fds=tuple(fds))
 
 
 def secret_path(name: str) -> str:

@@ -555,9 +555,7 @@ def monitored_exec(
     """
     _check_command(command)
     if stats is None:
-        member_pids = getattr(sandbox.driver, "member_pids", None)
-        members = (lambda: member_pids(sandbox.context)) if callable(member_pids) else None
-        stats = PsutilProcessStats(members)
+        stats = PsutilProcessStats(lambda: sandbox.driver.member_pids(sandbox.context))
     monitor = ShellMonitor(
         ResourcePolicy.from_options(opts),
         stats,
