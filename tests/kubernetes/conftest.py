@@ -34,6 +34,7 @@ KUBECONFIG_ENV = "DEVS_SANDBOX_KUBECONFIG"
 def _missing_packages() -> str:
     try:
         import kmock  # noqa: F401
+
         import kubernetes  # noqa: F401
     except ImportError as exc:
         return f"{exc.name} not installed (pip install -e '.[dev]')"
@@ -118,14 +119,18 @@ def kubelet(cluster: EmulatedCluster, kubelet_image: str) -> Iterator[Any]:
 
     engine = connect()
     client = cluster.client()
-    node = Kubelet(cluster.api, client, engine, image_map={"*": kubelet_image},
-                   session=f"t{uuid.uuid4().hex[:10]}").start()
+    node = Kubelet(
+        cluster.api,
+        client,
+        engine,
+        image_map={"*": kubelet_image},
+        session=f"t{uuid.uuid4().hex[:10]}",
+    ).start()
     try:
         yield node
     finally:
         node.stop()
-        left = engine.api.containers(all=True,
-                                     filters={"label": f"{SESSION_LABEL}={node.session}"})
+        left = engine.api.containers(all=True, filters={"label": f"{SESSION_LABEL}={node.session}"})
         with contextlib.suppress(Exception):
             client.close()
         engine.close()

@@ -76,7 +76,7 @@ def _now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-class Refused(Exception):
+class RefusedError(Exception):
     """The pod asks for something this test kubelet will not do on the host."""
 
 
@@ -103,12 +103,14 @@ class _Pod:
 class DockerExec:
     """One ``docker exec`` bridged to the emulator's exec protocol (server.ExecSession)."""
 
-    def __init__(self, engine: Any, container_id: str, command: list[str], *, stdin: bool,
-                 tty: bool) -> None:
+    def __init__(
+        self, engine: Any, container_id: str, command: list[str], *, stdin: bool, tty: bool
+    ) -> None:
         self._api = engine.api
         self._tty = tty
-        self._exec_id = self._api.exec_create(container_id, command, stdin=stdin, stdout=True,
-                                              stderr=True, tty=tty)["Id"]
+        self._exec_id = self._api.exec_create(
+            container_id, command, stdin=stdin, stdout=True, stderr=True, tty=tty
+        )["Id"]
         self._sock = self._api.exec_start(self._exec_id, socket=True, tty=tty)._sock
         self._sock.settimeout(None)  # the SDK's request timeout must not end a quiet exec
         self._buf = b""
@@ -188,9 +190,17 @@ class DockerExec:
 class Kubelet:
     """Runs the pods of one emulated node on the local Docker engine."""
 
-    def __init__(self, emulator: ApiServer, api_client: Any, engine: Any, *,
-                 image_map: dict[str, str], node_name: str = "devs-test-node",
-                 pod_pids_limit: int | None = None, session: str | None = None) -> None:
+    def __init__(
+        self,
+        emulator: ApiServer,
+        api_client: Any,
+        engine: Any,
+        *,
+        image_map: dict[str, str],
+        node_name: str = "devs-test-node",
+        pod_pids_limit: int | None = None,
+        session: str | None = None,
+    ) -> None:
         from kubernetes import client
 
         self.emulator = emulator
@@ -215,13 +225,20 @@ class Kubelet:
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> Kubelet:
         self.emulator.register_node(self.node_name, self)
-        self._events = self.engine.events(decode=True, filters={
-            "type": "container", "label": [f"{SESSION_LABEL}={self.session}"],
-            "event": ["die"]})
-        for target, name in ((self._watch_pods, "kubelet-pods"),
-                             (self._watch_policies, "kubelet-netpol"),
-                             (self._docker_events, "kubelet-docker"),
-                             (self._deadlines, "kubelet-deadlines")):
+        self._events = self.engine.events(
+            decode=True,
+            filters={
+                "type": "container",
+                "label": [f"{SESSION_LABEL}={self.session}"],
+                "event": ["die"],
+            },
+        )
+        for target, name in (
+            (self._watch_pods, "kubelet-pods"),
+            (self._watch_policies, "kubelet-netpol"),
+            (self._docker_events, "kubelet-docker"),
+            (self._deadlines, "kubelet-deadlines"),
+        ):
             t = threading.Thread(target=self._guard(target), name=name, daemon=True)
             t.start()
             self._threads.append(t)
@@ -245,8 +262,9 @@ class Kubelet:
 
     def remove_all(self) -> int:
         """Remove every container this kubelet made (by its session label)."""
-        found = self.engine.api.containers(all=True,
-                                           filters={"label": f"{SESSION_LABEL}={self.session}"})
+        found = self.engine.api.containers(
+            all=True, filters={"label": f"{SESSION_LABEL}={self.session}"}
+        )
         for c in found:
             with contextlib.suppress(Exception):
                 self.engine.api.remove_container(c["Id"], force=True, v=True)
@@ -281,8 +299,11 @@ class Kubelet:
             w = self._watch_object(watch.Watch())
             try:
                 # With timeout_seconds the client raises a 410 ERROR event as ApiException.
-                for event in w.stream(self.core.list_pod_for_all_namespaces, resource_version=rv,
-                                      timeout_seconds=WATCH_TIMEOUT_S):
+                for event in w.stream(
+                    self.core.list_pod_for_all_namespaces,
+                    resource_version=rv,
+                    timeout_seconds=WATCH_TIMEOUT_S,
+                ):
                     if self._stop.is_set():
                         w.stop()
                         return
@@ -300,14 +321,17 @@ class Kubelet:
 
         while not self._stop.is_set():
             listed = self.net.list_network_policy_for_all_namespaces()
-            self._policies = [self.net.api_client.sanitize_for_serialization(p)
-                              for p in listed.items]
+            self._policies = [
+                self.net.api_client.sanitize_for_serialization(p) for p in listed.items
+            ]
             self._reconcile_network()
             w = self._watch_object(watch.Watch())
             try:
-                for _event in w.stream(self.net.list_network_policy_for_all_namespaces,
-                                       resource_version=listed.metadata.resource_version,
-                                       timeout_seconds=WATCH_TIMEOUT_S):
+                for _event in w.stream(
+                    self.net.list_network_policy_for_all_namespaces,
+                    resource_version=listed.metadata.resource_version,
+                    timeout_seconds=WATCH_TIMEOUT_S,
+                ):
                     break  # any change: list again and re-evaluate every pod
             except client.ApiException as exc:
                 if exc.status != 410:
@@ -316,7 +340,7 @@ class Kubelet:
     def _watch_object(self, w: Any) -> Any:
         """Remember an open watch so that stop() can cut it short."""
         with self._pods_lock:
-            self._watches = [x for x in self._watches if x is not w][-4:] + [w]
+            self._watches = [*[x for x in self._watches if x is not w][-4:], w]
         if self._stop.is_set():
             w.stop()
         return w
@@ -340,8 +364,9 @@ class Kubelet:
             state = self._pods.get(uid)
             if state is None:
                 containers = spec.get("containers") or [{}]
-                state = _Pod(meta.get("namespace", ""), meta["name"], uid,
-                             containers[0].get("name", ""))
+                state = _Pod(
+                    meta.get("namespace", ""), meta["name"], uid, containers[0].get("name", "")
+                )
                 self._pods[uid] = state
                 new = True
             else:
@@ -349,8 +374,11 @@ class Kubelet:
         state.deadline_s = spec.get("activeDeadlineSeconds")
         if meta.get("deletionTimestamp") and not state.deleting:
             state.deleting = True
-            self._pool.submit(self._guarded(self._terminate), state,
-                              int(meta.get("deletionGracePeriodSeconds") or 0))
+            self._pool.submit(
+                self._guarded(self._terminate),
+                state,
+                int(meta.get("deletionGracePeriodSeconds") or 0),
+            )
         elif new and not meta.get("deletionTimestamp"):
             phase = (pod.get("status") or {}).get("phase")
             if phase in ("Succeeded", "Failed"):
@@ -372,15 +400,18 @@ class Kubelet:
     def _bind(self, pod: dict[str, Any]) -> None:
         from kubernetes import client
 
-        body = {"apiVersion": "v1", "kind": "Binding",
-                "metadata": {"name": pod["metadata"]["name"]},
-                "target": {"apiVersion": "v1", "kind": "Node", "name": self.node_name}}
+        body = {
+            "apiVersion": "v1",
+            "kind": "Binding",
+            "metadata": {"name": pod["metadata"]["name"]},
+            "target": {"apiVersion": "v1", "kind": "Node", "name": self.node_name},
+        }
         try:
             # _preload_content=False: the client cannot deserialise the Status a binding
             # returns into V1Binding (kubernetes-client/python issue #825).
             self.core.create_namespaced_pod_binding(
-                pod["metadata"]["name"], pod["metadata"]["namespace"], body,
-                _preload_content=False)
+                pod["metadata"]["name"], pod["metadata"]["namespace"], body, _preload_content=False
+            )
         except client.ApiException as exc:
             if exc.status not in (404, 409):
                 raise
@@ -390,8 +421,7 @@ class Kubelet:
         from kubernetes import client
 
         try:
-            self.core.patch_namespaced_pod_status(state.name, state.namespace,
-                                                  {"status": status})
+            self.core.patch_namespaced_pod_status(state.name, state.namespace, {"status": status})
         except client.ApiException as exc:
             if exc.status != 404:  # deleted meanwhile
                 raise
@@ -401,8 +431,11 @@ class Kubelet:
         out = [{"type": "PodScheduled", "status": "True", "lastTransitionTime": now}]
         out.append({"type": "Initialized", "status": "True", "lastTransitionTime": now})
         for kind in ("ContainersReady", "Ready"):
-            cond: dict[str, Any] = {"type": kind, "status": "True" if ready else "False",
-                                    "lastTransitionTime": now}
+            cond: dict[str, Any] = {
+                "type": kind,
+                "status": "True" if ready else "False",
+                "lastTransitionTime": now,
+            }
             if reason:
                 cond["reason"] = reason
             out.append(cond)
@@ -410,18 +443,37 @@ class Kubelet:
 
     def _fail(self, state: _Pod, reason: str, message: str) -> None:
         state.finished = True
-        self._patch_status(state, {
-            "phase": "Failed", "reason": reason, "message": message,
-            "conditions": self._conditions(False, "PodFailed")})
+        self._patch_status(
+            state,
+            {
+                "phase": "Failed",
+                "reason": reason,
+                "message": message,
+                "conditions": self._conditions(False, "PodFailed"),
+            },
+        )
 
     def _waiting(self, state: _Pod, image: str, reason: str, message: str) -> None:
-        self._patch_status(state, {
-            "phase": "Pending", "hostIP": "127.0.0.1", "startTime": _now(),
-            "conditions": self._conditions(False, "ContainersNotReady"),
-            "containerStatuses": [{
-                "name": state.container_name, "image": image, "imageID": "", "ready": False,
-                "started": False, "restartCount": 0,
-                "state": {"waiting": {"reason": reason, "message": message}}}]})
+        self._patch_status(
+            state,
+            {
+                "phase": "Pending",
+                "hostIP": "127.0.0.1",
+                "startTime": _now(),
+                "conditions": self._conditions(False, "ContainersNotReady"),
+                "containerStatuses": [
+                    {
+                        "name": state.container_name,
+                        "image": image,
+                        "imageID": "",
+                        "ready": False,
+                        "started": False,
+                        "restartCount": 0,
+                        "state": {"waiting": {"reason": reason, "message": message}},
+                    }
+                ],
+            },
+        )
 
     # -- running a pod --------------------------------------------------------------------
     def _run(self, state: _Pod, pod: dict[str, Any]) -> None:
@@ -434,13 +486,14 @@ class Kubelet:
             state.started_mono = time.monotonic()
             try:
                 self._refuse(spec)
-            except Refused as exc:
+            except RefusedError as exc:
                 self._fail(state, "Unsupported", f"the test kubelet refuses this pod: {exc}")
                 return
             local = self.image_map.get(image) or self.image_map.get("*")
             if not local:
-                self._waiting(state, image, "ErrImagePull",
-                              f'image "{image}" is not mapped to a local image')
+                self._waiting(
+                    state, image, "ErrImagePull", f'image "{image}" is not mapped to a local image'
+                )
                 return
             self._waiting(state, image, "ContainerCreating", "")
             try:
@@ -458,36 +511,49 @@ class Kubelet:
             if not info["State"]["Running"]:
                 return  # died at once: the die event reports it
             ip = info["NetworkSettings"].get("IPAddress") or ""
-            self._patch_status(state, {
-                "phase": "Running", "hostIP": "127.0.0.1", "podIP": ip,
-                "podIPs": [{"ip": ip}] if ip else [],
-                "conditions": self._conditions(True),
-                "containerStatuses": [{
-                    "name": state.container_name, "image": image,
-                    "imageID": f"docker-pullable://{info['Image']}",
-                    "containerID": f"docker://{state.container_id}", "ready": True,
-                    "started": True, "restartCount": 0,
-                    "state": {"running": {"startedAt": info["State"]["StartedAt"][:19] + "Z"}},
-                }]})
+            self._patch_status(
+                state,
+                {
+                    "phase": "Running",
+                    "hostIP": "127.0.0.1",
+                    "podIP": ip,
+                    "podIPs": [{"ip": ip}] if ip else [],
+                    "conditions": self._conditions(True),
+                    "containerStatuses": [
+                        {
+                            "name": state.container_name,
+                            "image": image,
+                            "imageID": f"docker-pullable://{info['Image']}",
+                            "containerID": f"docker://{state.container_id}",
+                            "ready": True,
+                            "started": True,
+                            "restartCount": 0,
+                            "state": {
+                                "running": {"startedAt": info["State"]["StartedAt"][:19] + "Z"}
+                            },
+                        }
+                    ],
+                },
+            )
 
     @staticmethod
     def _refuse(spec: dict[str, Any]) -> None:
         for key in ("hostNetwork", "hostPID", "hostIPC"):
             if spec.get(key):
-                raise Refused(f"{key} shares the host's namespaces")
+                raise RefusedError(f"{key} shares the host's namespaces")
         if len(spec.get("containers") or []) != 1 or spec.get("initContainers"):
-            raise Refused("it runs exactly one container and no init containers")
+            raise RefusedError("it runs exactly one container and no init containers")
         if spec.get("restartPolicy", "Always") != "Never":
-            raise Refused("it only runs pods with restartPolicy Never")
+            raise RefusedError("it only runs pods with restartPolicy Never")
         sc = spec["containers"][0].get("securityContext") or {}
         if sc.get("privileged"):
-            raise Refused("privileged containers")
+            raise RefusedError("privileged containers")
         for vol in spec.get("volumes") or []:
             if set(vol) - {"name", "emptyDir"}:
-                raise Refused(f"volume {vol.get('name')}: only emptyDir volumes are supported")
+                raise RefusedError(f"volume {vol.get('name')}: only emptyDir volumes are supported")
         for mount in spec["containers"][0].get("volumeMounts") or []:
             if mount.get("subPath") or mount.get("subPathExpr"):
-                raise Refused("subPath mounts")
+                raise RefusedError("subPath mounts")
 
     def _container_config(self, pod: dict[str, Any], image: str) -> dict[str, Any]:
         meta, spec = pod["metadata"], pod["spec"]
@@ -507,14 +573,19 @@ class Kubelet:
             user = f"{image_user.split(':')[0] or 0}:{gid}"
         if pick("runAsNonRoot"):
             effective = str(uid) if uid is not None else image_user.split(":")[0]
-            where = f"pod: \"{meta['name']}_{meta.get('namespace')}({meta['uid']})\", " \
-                    f"container: {c['name']}"
+            where = (
+                f'pod: "{meta["name"]}_{meta.get("namespace")}({meta["uid"]})", '
+                f"container: {c['name']}"
+            )
             if effective in ("", "0", "root"):
-                raise ConfigError(f"container has runAsNonRoot and image will run as root "
-                                  f"({where})")
+                raise ConfigError(
+                    f"container has runAsNonRoot and image will run as root ({where})"
+                )
             if not effective.isdigit():
-                raise ConfigError(f"container has runAsNonRoot and image has non-numeric user "
-                                  f"({effective}), cannot verify user is non-root ({where})")
+                raise ConfigError(
+                    f"container has runAsNonRoot and image has non-numeric user "
+                    f"({effective}), cannot verify user is non-root ({where})"
+                )
         groups = [str(g) for g in psc.get("supplementalGroups") or []]
         if psc.get("fsGroup") is not None:
             groups.append(str(psc["fsGroup"]))
@@ -526,8 +597,9 @@ class Kubelet:
         if seccomp == "Unconfined":
             security_opt.append("seccomp=unconfined")
         elif seccomp != "RuntimeDefault":
-            raise ConfigError(f"seccomp profile type {seccomp} is not supported by the test "
-                              "kubelet")
+            raise ConfigError(
+                f"seccomp profile type {seccomp} is not supported by the test kubelet"
+            )
         limits = (c.get("resources") or {}).get("limits") or {}
         mem = int(quantity(limits["memory"])) if "memory" in limits else None
         cpu = int(quantity(limits["cpu"]) * 1_000_000_000) if "cpu" in limits else None
@@ -552,28 +624,54 @@ class Kubelet:
                     opts.append(f"gid={psc['fsGroup']}")
                 tmpfs[vm["mountPath"]] = ",".join(opts)
             else:
-                mounts.append(Mount(target=vm["mountPath"], source=None, type="volume",
-                                    read_only=bool(vm.get("readOnly"))))
+                mounts.append(
+                    Mount(
+                        target=vm["mountPath"],
+                        source=None,
+                        type="volume",
+                        read_only=bool(vm.get("readOnly")),
+                    )
+                )
         host_config = self.engine.api.create_host_config(
-            mem_limit=mem, memswap_limit=mem, nano_cpus=cpu,
-            pids_limit=self.pod_pids_limit, read_only=bool(pick("readOnlyRootFilesystem")),
-            cap_drop=caps.get("drop"), cap_add=caps.get("add"), security_opt=security_opt or None,
-            tmpfs=tmpfs or None, mounts=mounts or None, group_add=groups or None,
-            network_mode="bridge", init=False,
+            mem_limit=mem,
+            memswap_limit=mem,
+            nano_cpus=cpu,
+            pids_limit=self.pod_pids_limit,
+            read_only=bool(pick("readOnlyRootFilesystem")),
+            cap_drop=caps.get("drop"),
+            cap_add=caps.get("add"),
+            security_opt=security_opt or None,
+            tmpfs=tmpfs or None,
+            mounts=mounts or None,
+            group_add=groups or None,
+            network_mode="bridge",
+            init=False,
         )
         env = {}
         for item in c.get("env") or []:
             if "valueFrom" in item:
-                raise ConfigError(f"env {item['name']}: valueFrom is not supported by the "
-                                  "test kubelet")
+                raise ConfigError(
+                    f"env {item['name']}: valueFrom is not supported by the test kubelet"
+                )
             env[item["name"]] = item.get("value", "")
-        labels = {**self.labels, POD_NS_LABEL: meta.get("namespace", ""),
-                  POD_NAME_LABEL: meta["name"], POD_UID_LABEL: meta["uid"]}
+        labels = {
+            **self.labels,
+            POD_NS_LABEL: meta.get("namespace", ""),
+            POD_NAME_LABEL: meta["name"],
+            POD_UID_LABEL: meta["uid"],
+        }
         return {
-            "image": image, "entrypoint": c.get("command"), "command": c.get("args"),
-            "user": user, "environment": env, "working_dir": c.get("workingDir"),
-            "hostname": meta["name"][:63], "labels": labels, "host_config": host_config,
-            "stdin_open": bool(c.get("stdin")), "tty": bool(c.get("tty")),
+            "image": image,
+            "entrypoint": c.get("command"),
+            "command": c.get("args"),
+            "user": user,
+            "environment": env,
+            "working_dir": c.get("workingDir"),
+            "hostname": meta["name"][:63],
+            "labels": labels,
+            "host_config": host_config,
+            "stdin_open": bool(c.get("stdin")),
+            "tty": bool(c.get("tty")),
         }
 
     # -- network policies -----------------------------------------------------------------
@@ -587,27 +685,36 @@ class Kubelet:
             selector = spec.get("podSelector") or {}
             if not _selects(selector, pod):
                 continue
-            types = spec.get("policyTypes") or (["Ingress", "Egress"] if spec.get("egress")
-                                                 is not None else ["Ingress"])
+            types = spec.get("policyTypes") or (
+                ["Ingress", "Egress"] if spec.get("egress") is not None else ["Ingress"]
+            )
             if "Egress" in types and not spec.get("egress"):
                 return True
         return False
 
     def _reconcile_network(self) -> None:
+        from kubernetes import client
+
         for state in list(self._pods.values()):
             if state.container_id is None or state.finished:
                 continue
-            with contextlib.suppress(Exception):
+            try:
                 pod = self.core.api_client.sanitize_for_serialization(
-                    self.core.read_namespaced_pod(state.name, state.namespace))
+                    self.core.read_namespaced_pod(state.name, state.namespace)
+                )
                 deny = self._denied(pod)
                 if deny and not state.isolated:
-                    self.engine.api.disconnect_container_from_network(state.container_id,
-                                                                      "bridge")
+                    self.engine.api.disconnect_container_from_network(state.container_id, "bridge")
                     state.isolated = True
                 elif not deny and state.isolated:
                     self.engine.api.connect_container_to_network(state.container_id, "bridge")
                     state.isolated = False
+            except client.ApiException as exc:
+                if exc.status != 404 and not self._stop.is_set():  # 404: deleted meanwhile
+                    self.errors.append(f"network of {state.name}: {exc!r}")
+            except Exception as exc:
+                if not self._stop.is_set():
+                    self.errors.append(f"network of {state.name}: {exc!r}")
 
     # -- container ends -------------------------------------------------------------------
     def _docker_events(self) -> None:
@@ -631,21 +738,35 @@ class Kubelet:
                 return
             state.finished = True
             code = int(st["ExitCode"])
-            reason = ("OOMKilled" if st.get("OOMKilled") and code == 137
-                      else "Completed" if code == 0 else "Error")
-            terminated = {"exitCode": code, "reason": reason,
-                          "startedAt": st["StartedAt"][:19] + "Z",
-                          "finishedAt": st["FinishedAt"][:19] + "Z",
-                          "containerID": f"docker://{state.container_id}"}
+            reason = (
+                "OOMKilled"
+                if st.get("OOMKilled") and code == 137
+                else "Completed"
+                if code == 0
+                else "Error"
+            )
+            terminated = {
+                "exitCode": code,
+                "reason": reason,
+                "startedAt": st["StartedAt"][:19] + "Z",
+                "finishedAt": st["FinishedAt"][:19] + "Z",
+                "containerID": f"docker://{state.container_id}",
+            }
             status: dict[str, Any] = {
                 "phase": "Succeeded" if code == 0 and not state.deadline_exceeded else "Failed",
                 "conditions": self._conditions(False, "PodCompleted"),
-                "containerStatuses": [{
-                    "name": state.container_name,
-                    "image": (info.get("Config") or {}).get("Image", ""),
-                    "imageID": f"docker-pullable://{info['Image']}",
-                    "containerID": f"docker://{state.container_id}", "ready": False,
-                    "started": False, "restartCount": 0, "state": {"terminated": terminated}}],
+                "containerStatuses": [
+                    {
+                        "name": state.container_name,
+                        "image": (info.get("Config") or {}).get("Image", ""),
+                        "imageID": f"docker-pullable://{info['Image']}",
+                        "containerID": f"docker://{state.container_id}",
+                        "ready": False,
+                        "started": False,
+                        "restartCount": 0,
+                        "state": {"terminated": terminated},
+                    }
+                ],
             }
             if state.deadline_exceeded:
                 status["reason"] = "DeadlineExceeded"
@@ -656,8 +777,13 @@ class Kubelet:
         while not self._stop.wait(DEADLINE_POLL_S):
             now = time.monotonic()
             for state in list(self._pods.values()):
-                if (state.deadline_s is None or state.started_mono is None or state.finished
-                        or state.deleting or state.deadline_exceeded):
+                if (
+                    state.deadline_s is None
+                    or state.started_mono is None
+                    or state.finished
+                    or state.deleting
+                    or state.deadline_exceeded
+                ):
                     continue
                 if now - state.started_mono >= state.deadline_s:
                     state.deadline_exceeded = True
@@ -666,8 +792,11 @@ class Kubelet:
     def _kill_for_deadline(self, state: _Pod) -> None:
         if state.container_id is None:
             with state.lock:
-                self._fail(state, "DeadlineExceeded",
-                           "Pod was active on the node longer than the specified deadline")
+                self._fail(
+                    state,
+                    "DeadlineExceeded",
+                    "Pod was active on the node longer than the specified deadline",
+                )
             return
         with contextlib.suppress(Exception):
             self.engine.api.kill(state.container_id)
@@ -687,9 +816,12 @@ class Kubelet:
             state.finished = True
         try:
             self.core.delete_namespaced_pod(
-                state.name, state.namespace,
-                body=client.V1DeleteOptions(grace_period_seconds=0,
-                                            preconditions=client.V1Preconditions(uid=state.uid)))
+                state.name,
+                state.namespace,
+                body=client.V1DeleteOptions(
+                    grace_period_seconds=0, preconditions=client.V1Preconditions(uid=state.uid)
+                ),
+            )
         except client.ApiException as exc:
             if exc.status not in (404, 409):
                 raise
@@ -707,11 +839,12 @@ class Kubelet:
     def _state_of(self, pod: dict[str, Any]) -> _Pod:
         state = self._pods.get(pod["metadata"]["uid"])
         if state is None or state.container_id is None:
-            raise RuntimeError(f"container not found (\"{pod['metadata']['name']}\")")
+            raise RuntimeError(f'container not found ("{pod["metadata"]["name"]}")')
         return state
 
-    def start_exec(self, pod: dict[str, Any], container: str, command: list[str], *,
-                   stdin: bool, tty: bool) -> DockerExec:
+    def start_exec(
+        self, pod: dict[str, Any], container: str, command: list[str], *, stdin: bool, tty: bool
+    ) -> DockerExec:
         state = self._state_of(pod)
         return DockerExec(self.engine, state.container_id or "", command, stdin=stdin, tty=tty)
 

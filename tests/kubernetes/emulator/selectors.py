@@ -106,11 +106,21 @@ def _dig(obj: Mapping[str, Any], path: str) -> str:
 
 
 # The fields each resource registers for selection; metadata.name/namespace are universal.
-POD_FIELDS = frozenset({
-    "metadata.name", "metadata.namespace", "spec.nodeName", "spec.restartPolicy",
-    "spec.schedulerName", "spec.serviceAccountName", "spec.hostNetwork", "status.phase",
-    "status.podIP", "status.podIPs", "status.nominatedNodeName",
-})
+POD_FIELDS = frozenset(
+    {
+        "metadata.name",
+        "metadata.namespace",
+        "spec.nodeName",
+        "spec.restartPolicy",
+        "spec.schedulerName",
+        "spec.serviceAccountName",
+        "spec.hostNetwork",
+        "status.phase",
+        "status.podIP",
+        "status.podIPs",
+        "status.nominatedNodeName",
+    }
+)
 GENERIC_FIELDS = frozenset({"metadata.name", "metadata.namespace"})
 
 
@@ -124,7 +134,7 @@ def field_selector(text: str | None, supported: frozenset[str] = GENERIC_FIELDS)
             raise bad_request(f"invalid selector: '{text}'; can't understand '{part.strip()}'")
         path, op, value = m.group(1), m.group(2), m.group(3)
         if path not in supported:
-            raise bad_request(f'field label not supported: {path}')
+            raise bad_request(f"field label not supported: {path}")
         if op == "!=":
             checks.append(lambda o, p=path, v=value: _dig(o, p) != v)
         else:

@@ -52,8 +52,12 @@ STDIN, STDOUT, STDERR, ERROR, RESIZE, CLOSE = 0, 1, 2, 3, 4, 255
 GC_INTERVAL_S = 0.1  # the garbage collector's sweep period (the real one reacts in ~ms-s)
 DISCONNECT_POLL_S = 1.0  # how often an idle watch checks that its client is still there
 DEFAULT_GRACE_S = 30  # PodSpec.terminationGracePeriodSeconds default
-SERVER_VERSION = {"major": "1", "minor": "33", "gitVersion": "v1.33.0-devs-emulator",
-                  "platform": "linux/amd64"}
+SERVER_VERSION = {
+    "major": "1",
+    "minor": "33",
+    "gitVersion": "v1.33.0-devs-emulator",
+    "platform": "linux/amd64",
+}
 
 
 # -- the node side of exec ----------------------------------------------------------------
@@ -80,8 +84,9 @@ class ExecSession(Protocol):
 
 
 class NodeBackend(Protocol):
-    def start_exec(self, pod: dict[str, Any], container: str, command: list[str], *,
-                   stdin: bool, tty: bool) -> ExecSession: ...
+    def start_exec(
+        self, pod: dict[str, Any], container: str, command: list[str], *, stdin: bool, tty: bool
+    ) -> ExecSession: ...
 
     def logs(self, pod: dict[str, Any], container: str) -> bytes: ...
 
@@ -98,9 +103,9 @@ class Quota:
 
     def tracked(self) -> dict[str, Decimal]:
         out: dict[str, Decimal] = {}
+        aliases = {"memory": "requests.memory", "cpu": "requests.cpu"}
         for key, value in self.hard.items():
-            key = {"memory": "requests.memory", "cpu": "requests.cpu"}.get(key, key)
-            out[key] = validation.quantity(value)
+            out[aliases.get(key, key)] = validation.quantity(value)
         return out
 
 
@@ -146,14 +151,27 @@ class ApiServer(kmock.KubernetesScaffold):
         super().__attrs_post_init__()
         for kind in KINDS:
             self.resources[f"{kind.api_version}/{kind.plural}"] = {
-                "kind": kind.kind, "singular": kind.kind.lower(), "namespaced": kind.namespaced,
-                "verbs": ["create", "delete", "deletecollection", "get", "list", "patch",
-                          "update", "watch"],
-                "shortnames": [], "categories": [], "subresources": list(kind.subresources),
+                "kind": kind.kind,
+                "singular": kind.kind.lower(),
+                "namespaced": kind.namespaced,
+                "verbs": [
+                    "create",
+                    "delete",
+                    "deletecollection",
+                    "get",
+                    "list",
+                    "patch",
+                    "update",
+                    "watch",
+                ],
+                "shortnames": [],
+                "categories": [],
+                "subresources": list(kind.subresources),
             }
         for ns in self.initial_namespaces:
-            self.store.create(NAMESPACES, "", {"metadata": {"name": ns},
-                                               "status": {"phase": "Active"}})
+            self.store.create(
+                NAMESPACES, "", {"metadata": {"name": ns}, "status": {"phase": "Active"}}
+            )
 
     async def __aenter__(self) -> ApiServer:
         await super().__aenter__()
@@ -171,8 +189,9 @@ class ApiServer(kmock.KubernetesScaffold):
         await super().__aexit__(*exc)
 
     # -- test hooks (thread-safe) ---------------------------------------------------------
-    def fail_next(self, verb: str, plural: str = "pods", code: int = 500, message: str = "",
-                  times: int = 1) -> None:
+    def fail_next(
+        self, verb: str, plural: str = "pods", code: int = 500, message: str = "", times: int = 1
+    ) -> None:
         """Answer the next ``times`` requests of ``verb`` (create, get, list, watch, update,
         patch, delete, exec) on ``plural`` with ``code`` and the Status that code maps to."""
         with self.hooks_lock:
@@ -217,12 +236,23 @@ class ApiServer(kmock.KubernetesScaffold):
             data = json.loads(body) if body else None
         except ValueError:
             data = None
-        self._requests.append(kmock.Request(
-            id=len(self._requests), method=raw.method, url=raw.url, params=dict(raw.query),
-            headers=dict(raw.headers), body=body, text=body.decode(errors="replace"), data=data,
-            namespace=route.namespace, name=route.name, subresource=route.subresource,
-            resource=kmock.resource(route.kind.group, route.kind.version, route.kind.plural),
-            raw_request=raw))
+        self._requests.append(
+            kmock.Request(
+                id=len(self._requests),
+                method=raw.method,
+                url=raw.url,
+                params=dict(raw.query),
+                headers=dict(raw.headers),
+                body=body,
+                text=body.decode(errors="replace"),
+                data=data,
+                namespace=route.namespace,
+                name=route.name,
+                subresource=route.subresource,
+                resource=kmock.resource(route.kind.group, route.kind.version, route.kind.plural),
+                raw_request=raw,
+            )
+        )
         try:
             self._authenticate(raw)
             return await self._dispatch(raw, body, route)
@@ -276,10 +306,16 @@ class ApiServer(kmock.KubernetesScaffold):
                         self.faults.remove(fault)
                     raise status.generic(fault.code, fault.message)
 
-    async def _dispatch(self, raw: aiohttp.web.BaseRequest, body: bytes,
-                        route: _Route) -> aiohttp.web.StreamResponse:
-        kind, ns, name, sub, method = (route.kind, route.namespace, route.name,
-                                       route.subresource, raw.method)
+    async def _dispatch(
+        self, raw: aiohttp.web.BaseRequest, body: bytes, route: _Route
+    ) -> aiohttp.web.StreamResponse:
+        kind, ns, name, sub, method = (
+            route.kind,
+            route.namespace,
+            route.name,
+            route.subresource,
+            raw.method,
+        )
         query = raw.query
         if query.get("dryRun"):
             raise status.bad_request("dryRun is not implemented by the emulator")
@@ -317,19 +353,20 @@ class ApiServer(kmock.KubernetesScaffold):
             return self._json(self.store.require(kind, ns, name))
         if method == "PUT":
             self._check_fault("update", kind)
-            obj, warnings = self._replace(kind, ns, name, self._body(body), sub, query)
+            obj, warnings = self._replace(kind, ns, name, self._body(body), sub=sub, query=query)
             return self._json(obj, 200, warnings)
         if method == "PATCH":
             self._check_fault("patch", kind)
             ctype = raw.headers.get("Content-Type", "").split(";")[0].strip()
-            return self._json(self._patch(kind, ns, name, ctype, body, sub))
+            return self._json(self._patch(kind, ns, name, ctype=ctype, body=body, sub=sub))
         if method == "DELETE":
             self._check_fault("delete", kind)
             return self._json(self._delete(kind, ns, name, query, body))
         raise status.method_not_allowed(kind.group, kind.plural, method)
 
-    def _json(self, payload: Any, code: int = 200,
-              warnings: list[str] | None = None) -> aiohttp.web.Response:
+    def _json(
+        self, payload: Any, code: int = 200, warnings: list[str] | None = None
+    ) -> aiohttp.web.Response:
         headers = {}
         if warnings:
             self.warnings.extend(warnings)
@@ -357,29 +394,45 @@ class ApiServer(kmock.KubernetesScaffold):
             if start + limit < len(items):
                 meta["continue"] = str(start + limit)
                 meta["remainingItemCount"] = len(items) - start - limit
-            items = items[start:start + limit]
-        return {"kind": f"{kind.kind}List", "apiVersion": kind.api_version, "metadata": meta,
-                "items": items}
+            items = items[start : start + limit]
+        return {
+            "kind": f"{kind.kind}List",
+            "apiVersion": kind.api_version,
+            "metadata": meta,
+            "items": items,
+        }
 
     def _matcher(self, kind: Kind, query: Any, name: str | None = None) -> Any:
         by_label = label_selector(query.get("labelSelector"))
         by_field = field_selector(query.get("fieldSelector"), kind.fields)
-        return lambda o: (by_label(o) and by_field(o)
-                          and (name is None or o["metadata"]["name"] == name))
+        return lambda o: (
+            by_label(o) and by_field(o) and (name is None or o["metadata"]["name"] == name)
+        )
 
-    def _create(self, kind: Kind, ns: str, obj: Any, query: Any,
-                ) -> tuple[dict[str, Any], list[str]]:
+    def _create(
+        self,
+        kind: Kind,
+        ns: str,
+        obj: Any,
+        query: Any,
+    ) -> tuple[dict[str, Any], list[str]]:
         if not isinstance(obj, dict):
             raise status.bad_request("the body of the request is not an object")
         self._check_type(kind, obj)
         meta = obj.setdefault("metadata", {})
         if kind.namespaced and meta.get("namespace") not in (None, "", ns):
-            raise status.bad_request("the namespace of the provided object does not match "
-                                     "the namespace sent on the request")
+            raise status.bad_request(
+                "the namespace of the provided object does not match "
+                "the namespace sent on the request"
+            )
         if meta.get("resourceVersion"):
             # storage/etcd3/store.go Create (surfaces as a 500)
-            raise ApiError(500, "InternalError", "Internal error occurred: resourceVersion "
-                                                 "should not be set on objects to be created")
+            raise ApiError(
+                500,
+                "InternalError",
+                "Internal error occurred: resourceVersion "
+                "should not be set on objects to be created",
+            )
         warnings = validation.check_structure(kind, obj, query.get("fieldValidation", "Warn"))
         validation.check_metadata(kind, obj)
         if kind == PODS:
@@ -391,9 +444,12 @@ class ApiServer(kmock.KubernetesScaffold):
                     raise status.not_found("", "namespaces", ns)
                 if namespace["metadata"].get("deletionTimestamp"):
                     raise status.forbidden(
-                        kind.group, kind.plural, meta.get("name") or "",
+                        kind.group,
+                        kind.plural,
+                        meta.get("name") or "",
                         f"unable to create new content in namespace {ns} because it is being "
-                        "terminated")
+                        "terminated",
+                    )
             if kind == PODS:
                 self._admit_quota(ns, obj)
             return self.store.create(kind, ns, obj), warnings
@@ -401,26 +457,35 @@ class ApiServer(kmock.KubernetesScaffold):
     @staticmethod
     def _check_type(kind: Kind, obj: dict[str, Any]) -> None:
         if obj.get("apiVersion") not in (None, kind.api_version):
-            raise status.bad_request(f"the API version in the data ({obj['apiVersion']}) does "
-                                     f"not match the expected API version ({kind.api_version})")
+            raise status.bad_request(
+                f"the API version in the data ({obj['apiVersion']}) does "
+                f"not match the expected API version ({kind.api_version})"
+            )
         if obj.get("kind") not in (None, kind.kind):
-            raise status.bad_request(f"the kind in the data ({obj['kind']}) does not match "
-                                     f"the expected kind ({kind.kind})")
+            raise status.bad_request(
+                f"the kind in the data ({obj['kind']}) does not match "
+                f"the expected kind ({kind.kind})"
+            )
 
     def _admit_quota(self, ns: str, pod: dict[str, Any]) -> None:
         """plugin/pkg/admission/resourcequota/controller.go CheckRequest, for pods."""
         name = pod["metadata"].get("name") or pod["metadata"].get("generateName") or "Unknown"
         requested_all = validation.pod_requests(pod)
-        live, _ = self.store.list(PODS, ns, lambda p: (p.get("status") or {}).get("phase")
-                                  not in ("Succeeded", "Failed"))
+        live, _ = self.store.list(
+            PODS, ns, lambda p: (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
+        )
         for quota in self.quotas:
             if quota.namespace not in (None, ns):
                 continue
             hard = quota.tracked()
             missing = sorted(k for k in hard if k != "pods" and k not in requested_all)
             if missing:
-                raise status.forbidden("", "pods", name, f"failed quota: {quota.name}: must "
-                                       f"specify {','.join(missing)}")
+                raise status.forbidden(
+                    "",
+                    "pods",
+                    name,
+                    f"failed quota: {quota.name}: must specify {','.join(missing)}",
+                )
             used: dict[str, Decimal] = {k: Decimal(0) for k in hard}
             for other in live:
                 for k, v in validation.pod_requests(other).items():
@@ -429,28 +494,46 @@ class ApiServer(kmock.KubernetesScaffold):
             requested = {k: requested_all[k] for k in hard}
             exceeded = sorted(k for k in hard if used[k] + requested[k] > hard[k])
             if exceeded:
-                def pp(values: dict[str, Decimal], keys: list[str] = exceeded) -> str:
-                    return ",".join(f"{k}={validation.format_quantity(values[k], k)}"
-                                    for k in keys)
-                raise status.forbidden("", "pods", name, (
-                    f"exceeded quota: {quota.name}, requested: {pp(requested)}, "
-                    f"used: {pp(used)}, limited: {pp(hard)}"))
 
-    def _replace(self, kind: Kind, ns: str, name: str, obj: Any, sub: str | None,
-                 query: Any) -> tuple[dict[str, Any], list[str]]:
+                def pp(values: dict[str, Decimal], keys: list[str] = exceeded) -> str:
+                    return ",".join(f"{k}={validation.format_quantity(values[k], k)}" for k in keys)
+
+                raise status.forbidden(
+                    "",
+                    "pods",
+                    name,
+                    (
+                        f"exceeded quota: {quota.name}, requested: {pp(requested)}, "
+                        f"used: {pp(used)}, limited: {pp(hard)}"
+                    ),
+                )
+
+    def _replace(
+        self,
+        kind: Kind,
+        ns: str,
+        name: str,
+        obj: Any,
+        *,
+        sub: str | None,
+        query: Any,
+    ) -> tuple[dict[str, Any], list[str]]:
         if not isinstance(obj, dict):
             raise status.bad_request("the body of the request is not an object")
         self._check_type(kind, obj)
         meta = obj.setdefault("metadata", {})
         if meta.get("name") != name:
-            raise status.bad_request(f"the name of the object ({meta.get('name')}) does not "
-                                     f"match the name on the URL ({name})")
+            raise status.bad_request(
+                f"the name of the object ({meta.get('name')}) does not "
+                f"match the name on the URL ({name})"
+            )
         warnings = validation.check_structure(kind, obj, query.get("fieldValidation", "Warn"))
         with self.store.lock:
             return self._store_update(kind, ns, name, obj, sub), warnings
 
-    def _store_update(self, kind: Kind, ns: str, name: str, obj: dict[str, Any],
-                      sub: str | None) -> dict[str, Any]:
+    def _store_update(
+        self, kind: Kind, ns: str, name: str, obj: dict[str, Any], sub: str | None
+    ) -> dict[str, Any]:
         """An update (PUT or the result of a patch) with the strategy of the endpoint."""
         current = self.store.require(kind, ns, name)
         obj.setdefault("metadata", {})["name"] = name
@@ -470,8 +553,16 @@ class ApiServer(kmock.KubernetesScaffold):
         updated = self.store.update(kind, obj)
         return self._maybe_finish_deletion(kind, ns, name, updated)
 
-    def _patch(self, kind: Kind, ns: str, name: str, ctype: str, body: bytes,
-               sub: str | None) -> dict[str, Any]:
+    def _patch(
+        self,
+        kind: Kind,
+        ns: str,
+        name: str,
+        *,
+        ctype: str,
+        body: bytes,
+        sub: str | None,
+    ) -> dict[str, Any]:
         patch = self._body(body)
         with self.store.lock:
             current = self.store.require(kind, ns, name)
@@ -482,14 +573,19 @@ class ApiServer(kmock.KubernetesScaffold):
                     raise status.unprocessable_patch() from None
                 except (TypeError, KeyError) as exc:
                     raise status.bad_request(str(exc)) from None
-            elif ctype in ("application/merge-patch+json",
-                           "application/strategic-merge-patch+json"):
+            elif ctype in (
+                "application/merge-patch+json",
+                "application/strategic-merge-patch+json",
+            ):
                 if not isinstance(patch, dict):
                     raise status.bad_request("a merge patch must be a JSON object")
                 patched = merge_patch(current, patch)
             elif ctype == "application/apply-patch+yaml":
-                raise ApiError(415, "UnsupportedMediaType",
-                               "server-side apply is not implemented by the emulator")
+                raise ApiError(
+                    415,
+                    "UnsupportedMediaType",
+                    "server-side apply is not implemented by the emulator",
+                )
             else:
                 raise status.unsupported_media_type(ctype)
             if not isinstance(patched, dict) or not isinstance(patched.get("metadata"), dict):
@@ -497,8 +593,14 @@ class ApiServer(kmock.KubernetesScaffold):
             validation.check_structure(kind, patched, "Ignore")
             return self._store_update(kind, ns, name, patched, sub)
 
-    def _delete(self, kind: Kind, ns: str, name: str, query: Any, body: bytes,
-                ) -> dict[str, Any]:
+    def _delete(
+        self,
+        kind: Kind,
+        ns: str,
+        name: str,
+        query: Any,
+        body: bytes,
+    ) -> dict[str, Any]:
         opts = self._body(body) or {}
         if not isinstance(opts, dict):
             raise status.bad_request("DeleteOptions must be an object")
@@ -515,14 +617,23 @@ class ApiServer(kmock.KubernetesScaffold):
             meta = current["metadata"]
             for field_name, key in (("UID", "uid"), ("ResourceVersion", "resourceVersion")):
                 if pre.get(key) and pre[key] != meta[key]:
-                    raise status.conflict(kind.group, kind.plural, name, (
-                        f"Precondition failed: {field_name} in precondition: {pre[key]}, "
-                        f"{field_name} in object meta: {meta[key]}"))
+                    raise status.conflict(
+                        kind.group,
+                        kind.plural,
+                        name,
+                        (
+                            f"Precondition failed: {field_name} in precondition: {pre[key]}, "
+                            f"{field_name} in object meta: {meta[key]}"
+                        ),
+                    )
             if policy == "Orphan":
                 self._orphan_dependents(meta["uid"])
             if kind == PODS:
-                grace_s = int(grace) if grace is not None else int(
-                    current["spec"].get("terminationGracePeriodSeconds", DEFAULT_GRACE_S))
+                grace_s = (
+                    int(grace)
+                    if grace is not None
+                    else int(current["spec"].get("terminationGracePeriodSeconds", DEFAULT_GRACE_S))
+                )
                 phase = (current.get("status") or {}).get("phase")
                 # pod strategy CheckGracefulDelete: unscheduled or finished pods go at once.
                 if not current["spec"].get("nodeName") or phase in ("Succeeded", "Failed"):
@@ -542,44 +653,66 @@ class ApiServer(kmock.KubernetesScaffold):
                 current = self.store.mark_deleting(kind, ns, name, grace_s)
             return current
 
-    def _maybe_finish_deletion(self, kind: Kind, ns: str, name: str,
-                               obj: dict[str, Any]) -> dict[str, Any]:
+    def _maybe_finish_deletion(
+        self, kind: Kind, ns: str, name: str, obj: dict[str, Any]
+    ) -> dict[str, Any]:
         """A deleting object goes once its finalizers are gone (and, for a pod on a node,
         once the kubelet has confirmed with a zero grace period)."""
         meta = obj["metadata"]
         if not meta.get("deletionTimestamp") or meta.get("finalizers"):
             return obj
-        if kind == PODS and obj["spec"].get("nodeName") and meta.get(
-                "deletionGracePeriodSeconds") not in (0, None) and (
-                obj.get("status") or {}).get("phase") not in ("Succeeded", "Failed"):
+        if (
+            kind == PODS
+            and obj["spec"].get("nodeName")
+            and meta.get("deletionGracePeriodSeconds") not in (0, None)
+            and (obj.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
+        ):
             return obj
         return self.store.remove(kind, ns, name)
 
-    def _delete_collection(self, kind: Kind, ns: str | None, query: Any,
-                           body: bytes) -> dict[str, Any]:
+    def _delete_collection(
+        self, kind: Kind, ns: str | None, query: Any, body: bytes
+    ) -> dict[str, Any]:
         items, _ = self.store.list(kind, ns, self._matcher(kind, query))
         deleted = []
         for item in items:
             with contextlib.suppress(ApiError):
-                deleted.append(self._delete(kind, item["metadata"].get("namespace", ""),
-                                            item["metadata"]["name"], query, body))
-        return {"kind": f"{kind.kind}List", "apiVersion": kind.api_version,
-                "metadata": {"resourceVersion": str(self.store.revision)}, "items": deleted}
+                deleted.append(
+                    self._delete(
+                        kind,
+                        item["metadata"].get("namespace", ""),
+                        item["metadata"]["name"],
+                        query,
+                        body,
+                    )
+                )
+        return {
+            "kind": f"{kind.kind}List",
+            "apiVersion": kind.api_version,
+            "metadata": {"resourceVersion": str(self.store.revision)},
+            "items": deleted,
+        }
 
     def _bind(self, ns: str, name: str, binding: Any) -> dict[str, Any]:
         """pods/binding (what a scheduler posts): sets spec.nodeName once."""
         node = ((binding or {}).get("target") or {}).get("name")
         if not node:
-            raise status.invalid("", "Binding", name, [("FieldValueRequired", "target.name",
-                                                        "Required value")])
+            raise status.invalid(
+                "", "Binding", name, [("FieldValueRequired", "target.name", "Required value")]
+            )
         with self.store.lock:
             pod = self.store.require(PODS, ns, name)
             if pod["metadata"].get("deletionTimestamp"):
-                raise status.conflict("", "pods", name, "pod is being deleted, cannot be assigned "
-                                      "to a host")
+                raise status.conflict(
+                    "", "pods", name, "pod is being deleted, cannot be assigned to a host"
+                )
             if pod["spec"].get("nodeName"):
-                raise status.conflict("", "pods/binding", name, (
-                    f"pod {name} is already assigned to node \"{pod['spec']['nodeName']}\""))
+                raise status.conflict(
+                    "",
+                    "pods/binding",
+                    name,
+                    (f'pod {name} is already assigned to node "{pod["spec"]["nodeName"]}"'),
+                )
             pod["spec"]["nodeName"] = node
             self.store.update(PODS, pod)
         return status.success(code=201)
@@ -610,8 +743,11 @@ class ApiServer(kmock.KubernetesScaffold):
         with self.store.lock:
             everything = [(kind, obj) for kind in KINDS for obj in self.store.objects(kind)]
             live = {obj["metadata"]["uid"]: obj for _, obj in everything}
-            foreground = {uid for uid, obj in live.items()
-                          if "foregroundDeletion" in (obj["metadata"].get("finalizers") or [])}
+            foreground = {
+                uid
+                for uid, obj in live.items()
+                if "foregroundDeletion" in (obj["metadata"].get("finalizers") or [])
+            }
             for kind, obj in everything:
                 meta = obj["metadata"]
                 refs = meta.get("ownerReferences") or []
@@ -627,24 +763,32 @@ class ApiServer(kmock.KubernetesScaffold):
                     with contextlib.suppress(ApiError):
                         self._delete(kind, ns, meta["name"], {}, b"")
             for uid in foreground:
-                if not any(uid in owner_uids(o) for _, o in everything if o["metadata"]["uid"] in live):
+                if not any(
+                    uid in owner_uids(o) for _, o in everything if o["metadata"]["uid"] in live
+                ):
                     owner = live[uid]
                     kind = next(k for k in KINDS if k.kind == owner["kind"])
                     owner["metadata"]["finalizers"] = [
-                        f for f in owner["metadata"]["finalizers"] if f != "foregroundDeletion"]
+                        f for f in owner["metadata"]["finalizers"] if f != "foregroundDeletion"
+                    ]
                     with contextlib.suppress(ApiError):
-                        self._store_update(kind, owner["metadata"].get("namespace", ""),
-                                           owner["metadata"]["name"], owner, None)
+                        self._store_update(
+                            kind,
+                            owner["metadata"].get("namespace", ""),
+                            owner["metadata"]["name"],
+                            owner,
+                            None,
+                        )
 
     # -- watch ----------------------------------------------------------------------------
-    async def _watch(self, raw: aiohttp.web.BaseRequest, kind: Kind, ns: str | None,
-                     name: str | None) -> aiohttp.web.StreamResponse:
+    async def _watch(
+        self, raw: aiohttp.web.BaseRequest, kind: Kind, ns: str | None, name: str | None
+    ) -> aiohttp.web.StreamResponse:
         query = raw.query
         matches = self._matcher(kind, query, name)  # a bad selector is a plain 400
         timeout_s = float(query["timeoutSeconds"]) if query.get("timeoutSeconds") else None
         loop = asyncio.get_running_loop()
-        resp = aiohttp.web.StreamResponse(status=200,
-                                          headers={"Content-Type": "application/json"})
+        resp = aiohttp.web.StreamResponse(status=200, headers={"Content-Type": "application/json"})
         await resp.prepare(raw)
         try:
             watcher = self.store.watch(kind, ns, matches, loop, query.get("resourceVersion"))
@@ -686,8 +830,11 @@ class ApiServer(kmock.KubernetesScaffold):
             raise status.bad_request(f"pod {name} does not have a host assigned")
         backend = self.nodes.get(node)
         if backend is None:
-            raise ApiError(500, "InternalError", f"Internal error occurred: error dialing "
-                                                 f"backend: no kubelet for node {node}")
+            raise ApiError(
+                500,
+                "InternalError",
+                f"Internal error occurred: error dialing backend: no kubelet for node {node}",
+            )
         return pod, backend
 
     @staticmethod
@@ -696,15 +843,17 @@ class ApiServer(kmock.KubernetesScaffold):
         name = pod["metadata"]["name"]
         if not wanted:
             if len(names) != 1:
-                raise status.bad_request(f"a container name must be specified for pod {name}, "
-                                         f"choose one of: {names}")
+                raise status.bad_request(
+                    f"a container name must be specified for pod {name}, choose one of: {names}"
+                )
             return names[0]
         if wanted not in names:
             raise status.bad_request(f"container {wanted} is not valid for pod {name}")
         return wanted
 
-    async def _exec(self, raw: aiohttp.web.BaseRequest, ns: str,
-                    name: str) -> aiohttp.web.StreamResponse:
+    async def _exec(
+        self, raw: aiohttp.web.BaseRequest, ns: str, name: str
+    ) -> aiohttp.web.StreamResponse:
         """pods/exec: checks as in pkg/registry/core/pod/strategy.go ExecLocation, then the
         channel protocol of apimachinery/pkg/util/httpstream/wsstream (v4: JSON status on
         channel 3; v5 adds the client's CLOSE frame [255, channel] to end stdin)."""
@@ -718,13 +867,16 @@ class ApiServer(kmock.KubernetesScaffold):
         pod, backend = self._node_of(ns, name)
         phase = (pod.get("status") or {}).get("phase")
         if phase in ("Succeeded", "Failed"):
-            raise status.bad_request("cannot exec into a container in a completed pod; current "
-                                     f"phase is {phase}")
+            raise status.bad_request(
+                f"cannot exec into a container in a completed pod; current phase is {phase}"
+            )
         container = self._container_of(pod, query.get("container"))
         offered = [p.strip() for p in raw.headers.get("Sec-WebSocket-Protocol", "").split(",")]
         if not any(p in (V5_PROTOCOL, V4_PROTOCOL) for p in offered):
-            raise status.bad_request(f"requested protocol(s) are not supported: {offered}; "
-                                     f"supports {[V5_PROTOCOL, V4_PROTOCOL]}")
+            raise status.bad_request(
+                f"requested protocol(s) are not supported: {offered}; "
+                f"supports {[V5_PROTOCOL, V4_PROTOCOL]}"
+            )
         ws = aiohttp.web.WebSocketResponse(protocols=(V5_PROTOCOL, V4_PROTOCOL), max_msg_size=0)
         await ws.prepare(raw)
         task = asyncio.current_task()
@@ -737,17 +889,29 @@ class ApiServer(kmock.KubernetesScaffold):
                 self.open_execs.discard(task)
         return ws
 
-    async def _relay(self, ws: aiohttp.web.WebSocketResponse, backend: NodeBackend,
-                     pod: dict[str, Any], container: str, command: list[str], *,
-                     stdin: bool, tty: bool) -> None:
+    async def _relay(
+        self,
+        ws: aiohttp.web.WebSocketResponse,
+        backend: NodeBackend,
+        pod: dict[str, Any],
+        container: str,
+        command: list[str],
+        *,
+        stdin: bool,
+        tty: bool,
+    ) -> None:
         loop = asyncio.get_running_loop()
         try:
-            session = await asyncio.to_thread(backend.start_exec, pod, container, command,
-                                              stdin=stdin, tty=tty)
+            session = await asyncio.to_thread(
+                backend.start_exec, pod, container, command, stdin=stdin, tty=tty
+            )
         except Exception as exc:
-            err = ApiError(500, "InternalError", f"Internal error occurred: error executing "
-                                                 f"command in container: {exc}",
-                           {"causes": [{"message": str(exc)}]})
+            err = ApiError(
+                500,
+                "InternalError",
+                f"Internal error occurred: error executing command in container: {exc}",
+                {"causes": [{"message": str(exc)}]},
+            )
             await ws.send_bytes(bytes([ERROR]) + json.dumps(err.body()).encode())
             await ws.close()
             return
@@ -758,8 +922,9 @@ class ApiServer(kmock.KubernetesScaffold):
             try:
                 while (chunk := session.read()) is not None:
                     loop.call_soon_threadsafe(output.put_nowait, ("data", chunk))
-                loop.call_soon_threadsafe(output.put_nowait,
-                                          ("exit", (session.exit_code(), session.error())))
+                loop.call_soon_threadsafe(
+                    output.put_nowait, ("exit", (session.exit_code(), session.error()))
+                )
             except Exception as exc:
                 loop.call_soon_threadsafe(output.put_nowait, ("exit", (None, str(exc))))
 
@@ -785,14 +950,19 @@ class ApiServer(kmock.KubernetesScaffold):
                 channel, payload = data[0], data[1:]
                 if channel == STDIN and stdin and payload:
                     to_stdin.put(payload)
-                elif (channel == CLOSE and ws.ws_protocol == V5_PROTOCOL and payload[:1]
-                      == bytes([STDIN]) and stdin):
+                elif (
+                    channel == CLOSE
+                    and ws.ws_protocol == V5_PROTOCOL
+                    and payload[:1] == bytes([STDIN])
+                    and stdin
+                ):
                     to_stdin.put(b"")  # stdin EOF
                 elif channel == RESIZE and tty:
                     with contextlib.suppress(ValueError, KeyError, TypeError):
                         size = json.loads(payload)
-                        await asyncio.to_thread(session.resize, int(size["Width"]),
-                                                int(size["Height"]))
+                        await asyncio.to_thread(
+                            session.resize, int(size["Width"]), int(size["Height"])
+                        )
 
         reader = asyncio.create_task(client_side())
         try:
@@ -815,8 +985,10 @@ class ApiServer(kmock.KubernetesScaffold):
                     if drop:
                         self.exec_status_drops -= 1
                 if not drop:
-                    await ws.send_bytes(bytes([ERROR]) + json.dumps(
-                        self._exec_status(code, error, command)).encode())
+                    await ws.send_bytes(
+                        bytes([ERROR])
+                        + json.dumps(self._exec_status(code, error, command)).encode()
+                    )
                 await ws.close()
                 return
         except (ConnectionError, aiohttp.ClientConnectionResetError):
@@ -832,15 +1004,19 @@ class ApiServer(kmock.KubernetesScaffold):
         """kubelet/cri/streaming/remotecommand/exec.go ServeExec."""
         if error is not None or code is None:
             why = error or "the exit status could not be read"
-            return ApiError(500, "InternalError", f"Internal error occurred: error executing "
-                                                  f"command in container: {why}",
-                            {"causes": [{"message": why}]}).body()
+            return ApiError(
+                500,
+                "InternalError",
+                f"Internal error occurred: error executing command in container: {why}",
+                {"causes": [{"message": why}]},
+            ).body()
         if code == 0:
             return {"metadata": {}, "status": "Success"}
         return {
-            "metadata": {}, "status": "Failure",
+            "metadata": {},
+            "status": "Failure",
             "message": f"command terminated with non-zero exit code: error executing command "
-                       f"{command}, exit code {code}",
+            f"{command}, exit code {code}",
             "reason": "NonZeroExitCode",
             "details": {"causes": [{"reason": "ExitCode", "message": str(code)}]},
         }
@@ -908,16 +1084,27 @@ class Kubeconfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def write_kubeconfig(path: str, server: str, *, context: str, namespace: str,
-                     token: str) -> Kubeconfig:
+def write_kubeconfig(
+    path: str, server: str, *, context: str, namespace: str, token: str
+) -> Kubeconfig:
     """A kubeconfig for the emulator, as a driver reads one for a real cluster."""
     config = {
-        "apiVersion": "v1", "kind": "Config", "current-context": context, "preferences": {},
+        "apiVersion": "v1",
+        "kind": "Config",
+        "current-context": context,
+        "preferences": {},
         "clusters": [{"name": f"{context}-cluster", "cluster": {"server": server}}],
         "users": [{"name": f"{context}-user", "user": {"token": token}}],
-        "contexts": [{"name": context, "context": {
-            "cluster": f"{context}-cluster", "user": f"{context}-user",
-            "namespace": namespace}}],
+        "contexts": [
+            {
+                "name": context,
+                "context": {
+                    "cluster": f"{context}-cluster",
+                    "user": f"{context}-user",
+                    "namespace": namespace,
+                },
+            }
+        ],
     }
     with open(path, "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)  # JSON is YAML: any kubeconfig loader reads it

@@ -56,21 +56,26 @@ def _details(group: str, resource: str, name: str) -> dict[str, Any]:
 
 def not_found(group: str, resource: str, name: str) -> ApiError:
     return ApiError(
-        404, "NotFound", f'{qualified(group, resource)} "{name}" not found',
+        404,
+        "NotFound",
+        f'{qualified(group, resource)} "{name}" not found',
         _details(group, resource, name),
     )
 
 
 def already_exists(group: str, resource: str, name: str) -> ApiError:
     return ApiError(
-        409, "AlreadyExists", f'{qualified(group, resource)} "{name}" already exists',
+        409,
+        "AlreadyExists",
+        f'{qualified(group, resource)} "{name}" already exists',
         _details(group, resource, name),
     )
 
 
 def conflict(group: str, resource: str, name: str, why: str = OPTIMISTIC_LOCK_MSG) -> ApiError:
     return ApiError(
-        409, "Conflict",
+        409,
+        "Conflict",
         f'Operation cannot be fulfilled on {qualified(group, resource)} "{name}": {why}',
         _details(group, resource, name),
     )
@@ -80,7 +85,9 @@ def forbidden(group: str, resource: str, name: str, why: str) -> ApiError:
     """NewForbidden; admission.NewForbidden names the object (or its generateName, or
     "Unknown") even on a create (apiserver/pkg/admission/errors.go extractResourceName)."""
     return ApiError(
-        403, "Forbidden", f'{qualified(group, resource)} "{name}" is forbidden: {why}',
+        403,
+        "Forbidden",
+        f'{qualified(group, resource)} "{name}" is forbidden: {why}',
         _details(group, resource, name),
     )
 
@@ -92,9 +99,13 @@ def invalid(group: str, kind: str, name: str, causes: list[tuple[str, str, str]]
     if len(causes) > 1:
         text = f"[{text}]"
     return ApiError(
-        422, "Invalid", f'{group_kind} "{name}" is invalid: {text}',
+        422,
+        "Invalid",
+        f'{group_kind} "{name}" is invalid: {text}',
         {
-            "name": name, "group": group, "kind": kind,
+            "name": name,
+            "group": group,
+            "kind": kind,
             "causes": [{"reason": t, "message": m, "field": f} for t, f, m in causes],
         },
     )
@@ -120,22 +131,37 @@ def expired(message: str) -> ApiError:
 
 def method_not_allowed(group: str, resource: str, action: str) -> ApiError:
     return ApiError(
-        405, "MethodNotAllowed",
+        405,
+        "MethodNotAllowed",
         f'{action} is not supported on resources of kind "{qualified(group, resource)}"',
         {"group": group, "kind": resource},
     )
 
 
 def unsupported_media_type(content_type: str) -> ApiError:
-    return ApiError(415, "UnsupportedMediaType", f"the body of the request was in an unknown format - accepted media types include: application/json-patch+json, application/merge-patch+json, application/strategic-merge-patch+json (got {content_type!r})")
+    return ApiError(
+        415,
+        "UnsupportedMediaType",
+        "the body of the request was in an unknown format - accepted media types include: "
+        "application/json-patch+json, application/merge-patch+json, "
+        f"application/strategic-merge-patch+json (got {content_type!r})",
+    )
 
 
 def generic(code: int, message: str = "") -> ApiError:
     """NewGenericServerResponse for an injected fault: the reason its code maps to."""
     reasons = {
-        400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotFound",
-        405: "MethodNotAllowed", 409: "Conflict", 410: "Expired", 422: "Invalid",
-        429: "TooManyRequests", 503: "ServiceUnavailable", 504: "Timeout",
+        400: "BadRequest",
+        401: "Unauthorized",
+        403: "Forbidden",
+        404: "NotFound",
+        405: "MethodNotAllowed",
+        409: "Conflict",
+        410: "Expired",
+        422: "Invalid",
+        429: "TooManyRequests",
+        503: "ServiceUnavailable",
+        504: "Timeout",
     }
     reason = reasons.get(code, "InternalError" if code >= 500 else "Unknown")
     return ApiError(code, reason, message or f"injected fault: HTTP {code}")
@@ -143,7 +169,11 @@ def generic(code: int, message: str = "") -> ApiError:
 
 def success(details: dict[str, Any] | None = None, code: int = 200) -> dict[str, Any]:
     out: dict[str, Any] = {
-        "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": code,
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Success",
+        "code": code,
     }
     if details:
         out["details"] = details

@@ -51,8 +51,9 @@ class Kind:
         return f"{self.api_version}/{self.plural}"
 
 
-PODS = Kind("", "v1", "pods", "Pod", fields=POD_FIELDS,
-            subresources=("status", "binding", "exec", "log"))
+PODS = Kind(
+    "", "v1", "pods", "Pod", fields=POD_FIELDS, subresources=("status", "binding", "exec", "log")
+)
 NAMESPACES = Kind("", "v1", "namespaces", "Namespace", namespaced=False)
 NETWORK_POLICIES = Kind("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy")
 LEASES = Kind("coordination.k8s.io", "v1", "leases", "Lease")
@@ -152,16 +153,22 @@ class Store:
         return iter(items)
 
     # -- writes --------------------------------------------------------------------------
-    def _commit(self, event_type: str, kind: Kind, key: Key, obj: dict[str, Any],
-                old: dict[str, Any] | None) -> dict[str, Any]:
+    def _commit(
+        self, event_type: str, kind: Kind, key: Key, obj: dict[str, Any], old: dict[str, Any] | None
+    ) -> dict[str, Any]:
         self.revision += 1
         obj["metadata"]["resourceVersion"] = str(self.revision)
         if event_type == "DELETED":
             self._objects.pop(key, None)
         else:
             self._objects[key] = obj
-        event = Event(self.revision, event_type, kind, copy.deepcopy(obj),
-                      copy.deepcopy(old) if old is not None else None)
+        event = Event(
+            self.revision,
+            event_type,
+            kind,
+            copy.deepcopy(obj),
+            copy.deepcopy(old) if old is not None else None,
+        )
         self._history.append(event)
         if len(self._history) == self._history.maxlen:
             self._floor = self._history[0].revision - 1
@@ -180,9 +187,16 @@ class Store:
             if not meta.get("name"):
                 if not meta.get("generateName"):
                     raise status.invalid(
-                        kind.group, kind.kind, "",
-                        [("FieldValueRequired", "metadata.name",
-                          "Required value: name or generateName is required")],
+                        kind.group,
+                        kind.kind,
+                        "",
+                        [
+                            (
+                                "FieldValueRequired",
+                                "metadata.name",
+                                "Required value: name or generateName is required",
+                            )
+                        ],
                     )
                 for _ in range(8):
                     meta["name"] = generate_name(meta["generateName"])
@@ -203,8 +217,9 @@ class Store:
             obj["kind"] = kind.kind
             return self._commit("ADDED", kind, key, obj, None)
 
-    def update(self, kind: Kind, obj: dict[str, Any], *,
-               expect_uid: str | None = None) -> dict[str, Any]:
+    def update(
+        self, kind: Kind, obj: dict[str, Any], *, expect_uid: str | None = None
+    ) -> dict[str, Any]:
         """Store ``obj`` over the current object of that name. A resourceVersion in ``obj``
         must be the current one (409 Conflict otherwise); none means unconditional, which
         pods, leases and network policies allow (their strategies' AllowUnconditionalUpdate).
@@ -222,13 +237,19 @@ class Store:
                 raise status.conflict(kind.group, kind.plural, meta["name"])
             if expect_uid is not None and expect_uid != cur_meta["uid"]:
                 raise status.conflict(
-                    kind.group, kind.plural, meta["name"],
+                    kind.group,
+                    kind.plural,
+                    meta["name"],
                     f"Precondition failed: UID in precondition: {expect_uid}, "
                     f"UID in object meta: {cur_meta['uid']}",
                 )
             # Fields the server owns survive any update (rest.BeforeUpdate).
-            for owned in ("uid", "creationTimestamp", "deletionTimestamp",
-                          "deletionGracePeriodSeconds"):
+            for owned in (
+                "uid",
+                "creationTimestamp",
+                "deletionTimestamp",
+                "deletionGracePeriodSeconds",
+            ):
                 if owned in cur_meta:
                     meta[owned] = cur_meta[owned]
                 else:
@@ -240,8 +261,7 @@ class Store:
                 return copy.deepcopy(current)
             return self._commit("MODIFIED", kind, key, obj, current)
 
-    def mark_deleting(self, kind: Kind, namespace: str, name: str,
-                      grace_s: int) -> dict[str, Any]:
+    def mark_deleting(self, kind: Kind, namespace: str, name: str, grace_s: int) -> dict[str, Any]:
         """Graceful deletion's first step: deletionTimestamp + grace period (MODIFIED)."""
         with self.lock:
             key: Key = (kind.key, namespace, name)
@@ -262,8 +282,14 @@ class Store:
             return self._commit("DELETED", kind, key, copy.deepcopy(current), current)
 
     # -- watches -------------------------------------------------------------------------
-    def watch(self, kind: Kind, namespace: str | None, matches: Matcher,
-              loop: asyncio.AbstractEventLoop, since: str | None) -> Watcher:
+    def watch(
+        self,
+        kind: Kind,
+        namespace: str | None,
+        matches: Matcher,
+        loop: asyncio.AbstractEventLoop,
+        since: str | None,
+    ) -> Watcher:
         """Register a watch. ``since`` empty or "0": synthetic ADDED events for the current
         state first; a number: the events after it, or 410 if compacted away."""
         with self.lock:
@@ -276,9 +302,7 @@ class Store:
                 try:
                     rv = int(since)
                 except ValueError:
-                    raise status.bad_request(
-                        f'invalid resource version "{since}"'
-                    ) from None
+                    raise status.bad_request(f'invalid resource version "{since}"') from None
                 if rv < self._floor:
                     raise status.expired(f"too old resource version: {rv} ({self._floor})")
                 for event in self._history:

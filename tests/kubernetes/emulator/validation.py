@@ -21,11 +21,13 @@ from decimal import Decimal
 from typing import Any
 
 from . import status
-from .store import Kind, PODS
+from .store import PODS, Kind
 
 SCHEMA_VERSION = "1.33"
 
-_DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_DNS1123_SUBDOMAIN = re.compile(
+    r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+)
 _DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 _QUALIFIED_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
@@ -72,7 +74,9 @@ def check_structure(kind: Kind, obj: dict[str, Any], field_validation: str) -> l
             missing = re.findall(r"'([^']+)' is a required property", error.message)
             fld = _path([*error.absolute_path, *missing])
             raise status.invalid(
-                kind.group, kind.kind, _name(obj),
+                kind.group,
+                kind.kind,
+                _name(obj),
                 [("FieldValueRequired", fld, f"{fld}: Required value")],
             )
         else:
@@ -104,22 +108,37 @@ def check_metadata(kind: Kind, obj: dict[str, Any]) -> None:
     causes: list[tuple[str, str, str]] = []
     name = meta.get("name")
     if name and (len(name) > 253 or not _DNS1123_SUBDOMAIN.match(name)):
-        causes.append(("FieldValueInvalid", "metadata.name",
-                       f'Invalid value: "{name}": a lowercase RFC 1123 subdomain must consist '
-                       "of lower case alphanumeric characters, '-' or '.', and must start and "
-                       "end with an alphanumeric character"))
+        causes.append(
+            (
+                "FieldValueInvalid",
+                "metadata.name",
+                f'Invalid value: "{name}": a lowercase RFC 1123 subdomain must consist '
+                "of lower case alphanumeric characters, '-' or '.', and must start and "
+                "end with an alphanumeric character",
+            )
+        )
     for key, value in (meta.get("labels") or {}).items():
         key_name = key.rsplit("/", 1)[-1]
         if not _QUALIFIED_NAME.match(key_name) or len(key_name) > 63:
-            causes.append(("FieldValueInvalid", "metadata.labels",
-                           f'Invalid value: "{key}": name part must consist of alphanumeric '
-                           "characters, '-', '_' or '.', and must start and end with an "
-                           "alphanumeric character"))
+            causes.append(
+                (
+                    "FieldValueInvalid",
+                    "metadata.labels",
+                    f'Invalid value: "{key}": name part must consist of alphanumeric '
+                    "characters, '-', '_' or '.', and must start and end with an "
+                    "alphanumeric character",
+                )
+            )
         if not isinstance(value, str) or len(value) > 63 or not _LABEL_VALUE.match(value):
-            causes.append(("FieldValueInvalid", "metadata.labels",
-                           f'Invalid value: "{value}": a valid label must be an empty string '
-                           "or consist of alphanumeric characters, '-', '_' or '.', and must "
-                           "start and end with an alphanumeric character"))
+            causes.append(
+                (
+                    "FieldValueInvalid",
+                    "metadata.labels",
+                    f'Invalid value: "{value}": a valid label must be an empty string '
+                    "or consist of alphanumeric characters, '-', '_' or '.', and must "
+                    "start and end with an alphanumeric character",
+                )
+            )
     if causes:
         raise status.invalid(kind.group, kind.kind, _name(obj), causes)
 
@@ -148,8 +167,14 @@ def format_quantity(value: Decimal, resource: str) -> str:
         milli = int(value * 1000)
         return str(milli // 1000) if milli % 1000 == 0 else f"{milli}m"
     n = int(value)
-    for suffix, factor in (("Ei", 1 << 60), ("Pi", 1 << 50), ("Ti", 1 << 40),
-                           ("Gi", 1 << 30), ("Mi", 1 << 20), ("Ki", 1 << 10)):
+    for suffix, factor in (
+        ("Ei", 1 << 60),
+        ("Pi", 1 << 50),
+        ("Ti", 1 << 40),
+        ("Gi", 1 << 30),
+        ("Mi", 1 << 20),
+        ("Ki", 1 << 10),
+    ):
         if n and n % factor == 0:
             return f"{n // factor}{suffix}"
     return str(n)
@@ -158,8 +183,9 @@ def format_quantity(value: Decimal, resource: str) -> str:
 # -- pods ---------------------------------------------------------------------------------
 def _containers(spec: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     out = [(f"spec.containers[{i}]", c) for i, c in enumerate(spec.get("containers") or [])]
-    out += [(f"spec.initContainers[{i}]", c)
-            for i, c in enumerate(spec.get("initContainers") or [])]
+    out += [
+        (f"spec.initContainers[{i}]", c) for i, c in enumerate(spec.get("initContainers") or [])
+    ]
     return out
 
 
@@ -176,29 +202,37 @@ def prepare_pod(pod: dict[str, Any]) -> None:
         if not _DNS1123_LABEL.match(cname or "") or len(cname) > 63:
             causes.append(("FieldValueInvalid", f"{where}.name", f'Invalid value: "{cname}"'))
         if cname in seen:
-            causes.append(("FieldValueDuplicate", f"{where}.name",
-                           f'Duplicate value: "{cname}"'))
+            causes.append(("FieldValueDuplicate", f"{where}.name", f'Duplicate value: "{cname}"'))
         seen.add(cname)
         if not c.get("image"):
             causes.append(("FieldValueRequired", f"{where}.image", "Required value"))
         res = c.setdefault("resources", {})
         for section in ("limits", "requests"):
-            for rname in (res.get(section) or {}):
-                if not (rname in _STANDARD_CONTAINER_RESOURCES or rname.startswith("hugepages-")
-                        or "/" in rname):
-                    causes.append((
-                        "FieldValueInvalid", f"{where}.resources.{section}[{rname}]",
-                        f'Invalid value: "{rname}": must be a standard resource for containers',
-                    ))
+            for rname in res.get(section) or {}:
+                if not (
+                    rname in _STANDARD_CONTAINER_RESOURCES
+                    or rname.startswith("hugepages-")
+                    or "/" in rname
+                ):
+                    causes.append(
+                        (
+                            "FieldValueInvalid",
+                            f"{where}.resources.{section}[{rname}]",
+                            f'Invalid value: "{rname}": must be a standard resource for containers',
+                        )
+                    )
         limits = {k: quantity(v) for k, v in (res.get("limits") or {}).items()}
         requests = {k: quantity(v) for k, v in (res.get("requests") or {}).items()}
         for rname, req in requests.items():
             if rname in limits and req > limits[rname]:
-                causes.append((
-                    "FieldValueInvalid", f"{where}.resources.requests",
-                    f'Invalid value: "{res["requests"][rname]}": must be less than or equal to '
-                    f"{rname} limit of {res['limits'][rname]}",
-                ))
+                causes.append(
+                    (
+                        "FieldValueInvalid",
+                        f"{where}.resources.requests",
+                        f'Invalid value: "{res["requests"][rname]}": must be less than or equal to '
+                        f"{rname} limit of {res['limits'][rname]}",
+                    )
+                )
         # defaults.go SetDefaults_ResourceRequirements: requests default to limits.
         if res.get("limits"):
             reqs = res.setdefault("requests", {})
@@ -206,15 +240,23 @@ def prepare_pod(pod: dict[str, Any]) -> None:
                 reqs.setdefault(rname, value)
         image = str(c.get("image", ""))
         tag = image.rsplit("/", 1)[-1]
-        c.setdefault("imagePullPolicy",
-                     "Always" if ":" not in tag or tag.endswith(":latest") else "IfNotPresent")
+        c.setdefault(
+            "imagePullPolicy",
+            "Always" if ":" not in tag or tag.endswith(":latest") else "IfNotPresent",
+        )
         c.setdefault("terminationMessagePath", "/dev/termination-log")
         c.setdefault("terminationMessagePolicy", "File")
     if causes:
         raise status.invalid("", "Pod", name, causes)
-    for key, value in (("restartPolicy", "Always"), ("terminationGracePeriodSeconds", 30),
-                       ("dnsPolicy", "ClusterFirst"), ("schedulerName", "default-scheduler"),
-                       ("securityContext", {}), ("enableServiceLinks", True), ("priority", 0)):
+    for key, value in (
+        ("restartPolicy", "Always"),
+        ("terminationGracePeriodSeconds", 30),
+        ("dnsPolicy", "ClusterFirst"),
+        ("schedulerName", "default-scheduler"),
+        ("securityContext", {}),
+        ("enableServiceLinks", True),
+        ("priority", 0),
+    ):
         spec.setdefault(key, value)
     pod["status"] = {"phase": "Pending", "qosClass": qos_class(spec)}
 
@@ -246,24 +288,42 @@ def check_pod_update(old: dict[str, Any], new: dict[str, Any]) -> None:
     old_deadline = old_spec.pop("activeDeadlineSeconds", None)
     new_deadline = new_spec.pop("activeDeadlineSeconds", None)
     if old_deadline is not None and (new_deadline is None or new_deadline > old_deadline):
-        raise status.invalid("", "Pod", name, [(
-            "FieldValueInvalid", "spec.activeDeadlineSeconds",
-            f"Invalid value: {new_deadline}: must be less than or equal to previous value",
-        )])
-    for where, container in _containers(old_spec):
+        raise status.invalid(
+            "",
+            "Pod",
+            name,
+            [
+                (
+                    "FieldValueInvalid",
+                    "spec.activeDeadlineSeconds",
+                    f"Invalid value: {new_deadline}: must be less than or equal to previous value",
+                )
+            ],
+        )
+    for _, container in _containers(old_spec):
         container.pop("image", None)
-    for where, container in _containers(new_spec):
+    for _, container in _containers(new_spec):
         container.pop("image", None)
     old_tol = old_spec.pop("tolerations", None) or []
     new_tol = new_spec.pop("tolerations", None) or []
     if old_spec != new_spec or any(t not in new_tol for t in old_tol):
-        raise status.invalid("", "Pod", name, [(
-            "FieldValueForbidden", "spec",
-            "Forbidden: pod updates may not change fields other than `spec.containers[*].image`,"
-            "`spec.initContainers[*].image`,`spec.activeDeadlineSeconds`,`spec.tolerations` "
-            "(only additions to existing tolerations),`spec.terminationGracePeriodSeconds` "
-            "(allow it to be set to 1 if it was previously negative)",
-        )])
+        raise status.invalid(
+            "",
+            "Pod",
+            name,
+            [
+                (
+                    "FieldValueForbidden",
+                    "spec",
+                    "Forbidden: pod updates may not change fields other than "
+                    "`spec.containers[*].image`,`spec.initContainers[*].image`,"
+                    "`spec.activeDeadlineSeconds`,`spec.tolerations` "
+                    "(only additions to existing tolerations),"
+                    "`spec.terminationGracePeriodSeconds` "
+                    "(allow it to be set to 1 if it was previously negative)",
+                )
+            ],
+        )
 
 
 def pod_requests(pod: dict[str, Any]) -> dict[str, Decimal]:
