@@ -929,3 +929,35 @@ def test_a_deny_all_egress_policy_takes_the_network_away(cluster, core, kubelet)
     wait_for(lambda: interfaces() == ["lo"], what="the pod to lose its network")
     net.delete_namespaced_network_policy("deny", ns)
     wait_for(lambda: len(interfaces()) == 2, what="the network to come back")  # lo, eth<n>
+
+
+@pytest.mark.docker
+def test_the_node_wide_pod_pids_limit_caps_forks(cluster, core, kubelet):
+    """A pod has no pids field: the kubelet's podPidsLimit is the only cap (node-wide)."""
+    ns = cluster.namespace
+    kubelet.pod_pids_limit = 32
+    core.create_namespaced_pod(ns, pod("p", SLEEPER, securityContext={"runAsUser": 1000}))
+    running = wait_phase(core, "p", ns, "Running")
+    cid = running.status.container_statuses[0].container_id.removeprefix("docker://")
+    assert kubelet.engine.api.inspect_container(cid)["HostConfig"]["PidsLimit"] == 32
+    forks = (
+        "import os, signal, time\n"
+        "kids = []\n"
+        "try:\n"
+        "    for _ in range(60):\n"
+        "        pid = os.fork()\n"
+        "        if pid == 0:\n"
+        "            time.sleep(30)\n"
+        "            os._exit(0)\n"
+        "        kids.append(pid)\n"
+        "except OSError as exc:\n"
+        "    print('refused', exc.errno)\n"
+        "print(len(kids))\n"
+        "for kid in kids:\n"
+        "    os.kill(kid, signal.SIGKILL)\n"
+    )
+    out, _, code = run_exec(core, "p", ns, ["python3", "-c", forks])
+    assert code == 0
+    refused, forked = out.splitlines()
+    assert refused == "refused 11"  # EAGAIN
+    assert int(forked) < 32
