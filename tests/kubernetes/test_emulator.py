@@ -467,6 +467,22 @@ def test_delete_collection_by_label(cluster, core):
     assert [p.metadata.name for p in core.list_namespaced_pod(ns).items] == ["c"]
 
 
+def test_deleting_a_namespace_terminates_it_and_everything_in_it(cluster, api_client, core):
+    core.create_namespace({"metadata": {"name": "doomed"}})
+    core.create_namespaced_pod("doomed", pod("p"))
+    client.CoordinationV1Api(api_client).create_namespaced_lease(
+        "doomed", {"metadata": {"name": "l"}}
+    )
+    core.delete_namespace("doomed")
+    err = api_error(core.create_namespaced_pod, "doomed", pod("q"))
+    assert err.status in (403, 404)  # Terminating (403), or already gone (404)
+    wait_for(
+        lambda: "doomed" not in [n.metadata.name for n in core.list_namespace().items],
+        what="the namespace to go",
+    )
+    assert core.list_pod_for_all_namespaces(field_selector="metadata.namespace=doomed").items == []
+
+
 def owned_by(lease: Any) -> list[dict[str, Any]]:
     return [
         {
@@ -745,11 +761,13 @@ def test_closing_the_exec_websocket_leaves_the_process_running(cluster, core, ku
     ws.update(timeout=0.5)
     ws.close()
     count = "grep -l '^sleep$' /proc/[0-9]*/comm | wc -l"
-    out, _, _ = run_exec(core, "p", ns, ["sh", "-c", count])
-    assert out.strip() == "2"  # pid 1 and the orphaned exec
+
+    def sleepers() -> str:
+        return run_exec(core, "p", ns, ["sh", "-c", count])[0].strip()
+
+    wait_for(lambda: sleepers() == "2", what="pid 1 and the orphaned exec")
     run_exec(core, "p", ns, ["sh", "-c", "kill -KILL -1"])
-    out, _, _ = run_exec(core, "p", ns, ["sh", "-c", count])
-    assert out.strip() == "1"  # kill -1 as the pod's uid spares only pid 1
+    wait_for(lambda: sleepers() == "1", what="kill -1 as the pod's uid to spare only pid 1")
     assert core.read_namespaced_pod("p", ns).status.phase == "Running"
 
 

@@ -640,6 +640,8 @@ class ApiServer(kmock.KubernetesScaffold):
                     grace_s = 0
             else:
                 grace_s = 0
+            if kind == NAMESPACES:
+                return self._terminate_namespace(current)
             finalizers = list(meta.get("finalizers") or [])
             if policy == "Foreground" and "foregroundDeletion" not in finalizers:
                 finalizers.append("foregroundDeletion")
@@ -652,6 +654,35 @@ class ApiServer(kmock.KubernetesScaffold):
             if previous is None or grace_s < previous:
                 current = self.store.mark_deleting(kind, ns, name, grace_s)
             return current
+
+    def _terminate_namespace(self, ns_obj: dict[str, Any]) -> dict[str, Any]:
+        """A namespace goes Terminating; the namespace controller (here: the GC sweep)
+        deletes its contents, then the namespace (pkg/controller/namespace)."""
+        meta = ns_obj["metadata"]
+        if meta.get("deletionTimestamp"):
+            return ns_obj
+        ns_obj["status"] = {"phase": "Terminating"}
+        self.store.update(NAMESPACES, ns_obj)
+        return self.store.mark_deleting(NAMESPACES, "", meta["name"], 0)
+
+    def _sweep_namespaces(self) -> None:
+        for ns_obj in self.store.objects(NAMESPACES):
+            meta = ns_obj["metadata"]
+            if not meta.get("deletionTimestamp"):
+                continue
+            left = 0
+            for kind in KINDS:
+                if not kind.namespaced:
+                    continue
+                items, _ = self.store.list(kind, meta["name"])
+                left += len(items)
+                for item in items:
+                    if not item["metadata"].get("deletionTimestamp"):
+                        with contextlib.suppress(ApiError):
+                            self._delete(kind, meta["name"], item["metadata"]["name"], {}, b"")
+            if left == 0:
+                with contextlib.suppress(ApiError):
+                    self.store.remove(NAMESPACES, "", meta["name"])
 
     def _maybe_finish_deletion(
         self, kind: Kind, ns: str, name: str, obj: dict[str, Any]
@@ -741,6 +772,7 @@ class ApiServer(kmock.KubernetesScaffold):
         left loses the dangling references; dependents of an owner in foreground deletion
         are deleted, and the owner goes when none is left."""
         with self.store.lock:
+            self._sweep_namespaces()
             everything = [(kind, obj) for kind in KINDS for obj in self.store.objects(kind)]
             live = {obj["metadata"]["uid"]: obj for _, obj in everything}
             foreground = {
@@ -1016,7 +1048,7 @@ class ApiServer(kmock.KubernetesScaffold):
             "metadata": {},
             "status": "Failure",
             "message": f"command terminated with non-zero exit code: error executing command "
-            f"{command}, exit code {code}",
+            f"[{' '.join(command)}], exit code {code}",
             "reason": "NonZeroExitCode",
             "details": {"causes": [{"reason": "ExitCode", "message": str(code)}]},
         }
