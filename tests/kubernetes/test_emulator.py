@@ -683,7 +683,8 @@ def exec_ws(core: Any, name: str, ns: str, command: list[str], **kw: Any) -> Any
 def run_exec(core: Any, name: str, ns: str, command: list[str]) -> tuple[str, str, int]:
     ws = exec_ws(core, name, ns, command)
     ws.run_forever(timeout=WAIT_S)
-    return ws.read_stdout(), ws.read_stderr(), ws.returncode
+    assert not ws.is_open(), f"exec of {command} did not finish"
+    return ws.read_stdout(timeout=0), ws.read_stderr(timeout=0), ws.returncode
 
 
 SLEEPER = ["sleep", "600"]
@@ -715,8 +716,9 @@ def test_exec_streams_stdin_to_eof_and_reports_the_exit_code(cluster, core, kube
     ws.write_stdin(b"\x00binary\n")
     ws.close_channel(0)  # v5: [255, 0] closes stdin: cat sees EOF
     ws.run_forever(timeout=WAIT_S)
-    assert ws.read_stdout() == "line one\n\x00binary\n"
-    assert ws.read_stderr() == "done\n"
+    assert not ws.is_open(), "cat did not see the end of stdin"
+    assert ws.read_stdout(timeout=0) == "line one\n\x00binary\n"
+    assert ws.read_stderr(timeout=0) == "done\n"
     assert ws.returncode == 3
 
     raw = exec_ws(core, "p", ns, ["sh", "-c", "exit 5"])
@@ -737,7 +739,7 @@ def test_exec_streams_stdin_to_eof_and_reports_the_exit_code(cluster, core, kube
     )
     v4.run_forever(timeout=WAIT_S)
     assert v4.subprotocol == "v4.channel.k8s.io"
-    assert (v4.read_stdout(), v4.returncode) == ("four\n", 4)
+    assert (v4.read_stdout(timeout=0), v4.returncode) == ("four\n", 4)
 
     missing = exec_ws(core, "p", ns, ["no-such-binary"])
     missing.run_forever(timeout=WAIT_S)
