@@ -103,9 +103,11 @@ def kubelet_image() -> str:
     """The project's offline-built sandbox image (built once per machine and recipe)."""
     from devs_sandbox.engine import connect
     from devs_sandbox.images import ImageRebuilder
+    from tests.kubernetes.emulator.kubelet import reap_orphans
 
     engine = connect()
     try:
+        reap_orphans(engine)  # containers of an earlier session that died before teardown
         return ImageRebuilder(engine).ensure().reference
     finally:
         engine.close()

@@ -34,7 +34,8 @@ pod status alone, as on a cgroup v1 node.
 
 Every container carries ``devs.test.kubelet=1``, this kubelet's session label and the pod's
 namespace/name/uid (``io.kubernetes.pod.*``, as dockershim labelled them), so ``stop()``
-removes all it made.
+removes all it made; the owning process's pid and start time too, so ``reap_orphans`` can
+remove what a crashed or interrupted session left without touching a live one's.
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ logger = logging.getLogger(__name__)
 
 LABEL = "devs.test.kubelet"
 SESSION_LABEL = "devs.test.kubelet.session"
+OWNER_PID_LABEL = "devs.test.kubelet.owner-pid"
+OWNER_START_LABEL = "devs.test.kubelet.owner-start"  # the owner's start time: pids are reused
 POD_NS_LABEL = "io.kubernetes.pod.namespace"
 POD_NAME_LABEL = "io.kubernetes.pod.name"
 POD_UID_LABEL = "io.kubernetes.pod.uid"
@@ -211,7 +214,7 @@ class Kubelet:
         self.node_name = node_name
         self.pod_pids_limit = pod_pids_limit
         self.session = session or uuid.uuid4().hex[:12]
-        self.labels = {LABEL: "1", SESSION_LABEL: self.session}
+        self.labels = {LABEL: "1", SESSION_LABEL: self.session, **_owner_labels()}
         self.errors: list[str] = []  # failures of the kubelet itself (a test should see none)
         self._pods: dict[str, _Pod] = {}
         self._pods_lock = threading.Lock()
@@ -852,6 +855,35 @@ class Kubelet:
         state = self._state_of(pod)
         out: bytes = self.engine.api.logs(state.container_id, stdout=True, stderr=True)
         return out
+
+
+def _owner_labels() -> dict[str, str]:
+    import os
+
+    import psutil
+
+    me = psutil.Process(os.getpid())
+    return {OWNER_PID_LABEL: str(me.pid), OWNER_START_LABEL: f"{me.create_time():.3f}"}
+
+
+def reap_orphans(engine: Any) -> list[str]:
+    """Remove test-kubelet containers whose owning process is gone (a test session that
+    crashed or was interrupted before its teardown). Live sessions' containers stay."""
+    import psutil
+
+    removed = []
+    for c in engine.api.containers(all=True, filters={"label": f"{LABEL}=1"}):
+        labels = c.get("Labels") or {}
+        try:
+            owner = psutil.Process(int(labels.get(OWNER_PID_LABEL, "0")))
+            alive = f"{owner.create_time():.3f}" == labels.get(OWNER_START_LABEL)
+        except (ValueError, psutil.Error):
+            alive = False
+        if not alive:
+            with contextlib.suppress(Exception):
+                engine.api.remove_container(c["Id"], force=True, v=True)
+                removed.append(c["Id"][:12])
+    return removed
 
 
 def _selects(selector: dict[str, Any], pod: dict[str, Any]) -> bool:
