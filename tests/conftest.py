@@ -31,7 +31,6 @@ ROOT = Path(__file__).resolve().parents[1]
 def _capabilities() -> dict[str, str]:
     """Marker -> "" when the host has it, else the reason it does not."""
     from devs_sandbox.isolation import SANDBOX_UID_BASE, probe_host
-    from devs_sandbox.isolation.mounts import can_mount
 
     host = probe_host()
     caps: dict[str, str] = {}
@@ -42,8 +41,7 @@ def _capabilities() -> dict[str, str]:
     )
     ok, why = host.nsinit_for(host.euid if host.euid else SANDBOX_UID_BASE)
     caps["unshare"] = "" if ok else f"unshare(2) namespaces unusable: {why}"
-    ok, why = can_mount()
-    caps["tmpfs"] = "" if ok else why
+    caps["tmpfs"] = _tmpfs_reason()
     caps["docker"] = _docker_reason()
     caps["cgroup_v2"] = (
         ""
@@ -51,6 +49,25 @@ def _capabilities() -> dict[str, str]:
         else ("host runs sandboxes on cgroup v1 (v2 offers no memory/pids controllers here)")
     )
     return caps
+
+
+def _tmpfs_reason() -> str:
+    """Mount one: ``can_mount`` asks "root?", and root without CAP_SYS_ADMIN (a default
+    ``docker run``) is refused by mount(2) itself."""
+    from devs_sandbox.isolation.mounts import TmpfsOptions, can_mount, mount_tmpfs, unmount
+
+    ok, why = can_mount()
+    if not ok:
+        return why
+    target = Path(tempfile.mkdtemp(prefix="devs-test-tmpfs-probe."))
+    try:
+        mount_tmpfs(target, TmpfsOptions(1 << 20, 16, os.geteuid(), os.getegid()))
+    except OSError as exc:
+        target.rmdir()
+        return f"mount(2) of a tmpfs refused: {os.strerror(exc.errno or 0)} (no CAP_SYS_ADMIN?)"
+    unmount(target)
+    target.rmdir()
+    return ""
 
 
 def _docker_reason() -> str:

@@ -44,8 +44,15 @@ def diagnose(config: DevsConfig) -> dict[str, Any]:
     host = probe_host()
     driver = ProcessDriver(host=host)
     report = driver.isolation_report(config.sandbox)
+    hints = dict(HINTS)
+    if host.euid == 0:
+        hints["cgroup"] = (
+            "the cgroup filesystem is not writable here (a container?): run on the host, or "
+            "give the container a writable cgroup mount"
+        )
+        hints["tmpfs-workspace"] = "root here lacks CAP_SYS_ADMIN (a container?)"
     mechanisms = {
-        name: {"available": not why, "reason": why, "hint": HINTS.get(name, "") if why else ""}
+        name: {"available": not why, "reason": why, "hint": hints.get(name, "") if why else ""}
         for name, why in report.items()
     }
     cg = host.cgroup

@@ -120,6 +120,7 @@ def test_a_shell_whose_child_allocates_is_killed_and_nothing_survives() -> None:
     )
 
 
+@pytest.mark.cgroups
 def test_the_kill_works_without_the_pid_namespace() -> None:
     """cgroup-only sandboxes: the kill still reaches setsid'd children (through the cgroup)."""
     tag = marker()
@@ -135,6 +136,7 @@ def test_the_kill_works_without_the_pid_namespace() -> None:
     assert wait_for(lambda: not processes_with(tag), 10)
 
 
+@pytest.mark.cgroups
 def test_a_double_forked_hog_does_not_escape_the_rss_watch() -> None:
     """Without a pid namespace the grandchild is re-parented to the host's init: out of the
     exec's ppid tree, but still in the sandbox's cgroup, which the monitor also watches."""

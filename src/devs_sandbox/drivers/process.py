@@ -1198,7 +1198,7 @@ class ProcessDriver:
         if root.exists() or root.is_symlink():
             # Only root can have mounted it; umount2 on a plain directory is a cheap EINVAL,
             # cheaper than scanning /proc/self/mountinfo.
-            if os.geteuid() == 0 and not root.is_symlink():
+            if self.host.tmpfs[0] and not root.is_symlink():
                 try:
                     mounts.unmount(root)
                 except OSError as exc:

@@ -91,8 +91,7 @@ def probe(prefix: tuple[str, ...] = ()) -> BwrapSupport:
         return BwrapSupport(
             path,
             False,
-            f"bwrap cannot create namespaces here: {why[0]} "
-            "(unprivileged user namespaces disabled?)",
+            f"bwrap cannot create namespaces here: {why[0]}",
             version,
         )
     return BwrapSupport(path, True, "", version)

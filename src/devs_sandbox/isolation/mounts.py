@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -42,13 +44,26 @@ def _lib() -> ctypes.CDLL:
     return _libc
 
 
+@functools.cache
 def can_mount() -> tuple[bool, str]:
+    """Whether we can mount a tmpfs here: tried once, for real, on a scratch directory.
+    Being root is not enough: a container's root usually lacks CAP_SYS_ADMIN."""
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
         return False, "mounting a tmpfs needs root (CAP_SYS_ADMIN)"
     try:
         _lib()
     except OSError as exc:
         return False, f"libc not loadable: {exc}"
+    scratch = Path(tempfile.mkdtemp(prefix="devs-mount-probe-"))
+    try:
+        mount_tmpfs(scratch, TmpfsOptions(64 * 1024, 16, 0, 0))
+    except OSError as exc:
+        return False, f"mounting a tmpfs failed: {exc.strerror} (root without CAP_SYS_ADMIN?)"
+    finally:
+        try:
+            unmount(scratch)
+        finally:
+            scratch.rmdir()
     return True, ""
 
 

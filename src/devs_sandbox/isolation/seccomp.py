@@ -121,13 +121,13 @@ class Profile:
 
 def _binding() -> Any:
     try:
-        import seccomp  # type: ignore[import-not-found]  # noqa: PLC0415 - Debian python3-seccomp
+        import seccomp  # noqa: PLC0415 - Debian's python3-seccomp, the official binding
     except ImportError:
         pass
     else:
         return seccomp
     try:
-        import pyseccomp  # type: ignore[import-untyped]  # noqa: PLC0415 - ctypes, official API
+        import pyseccomp  # noqa: PLC0415 - ctypes binding with the official API
     except (ImportError, OSError) as exc:
         raise SeccompUnavailableError(
             f"no libseccomp binding: {exc} (pip install pyseccomp; apt-get install libseccomp2)"
