@@ -21,11 +21,13 @@ from devs_sandbox.config import (
 from devs_sandbox.drivers.fake import FakeDriver
 from devs_sandbox.drivers.process import ProcessDriver
 from devs_sandbox.errors import (
+    CapacityError,
     ConfigError,
     DevsSandboxError,
     DiskQuotaExceededError,
     DriverError,
     DriverUnavailableError,
+    ExecLostError,
     ExecTimeoutError,
     ImageUnavailableError,
     InvalidSandboxIdError,
@@ -96,6 +98,7 @@ from devs_sandbox.timeout import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "CapacityError",
     "CapturedStream",
     "ConfigError",
     "DetectionRule",
@@ -107,6 +110,7 @@ __all__ = [
     "DriverUnavailableError",
     "EnvironmentSanitizer",
     "EventBus",
+    "ExecLostError",
     "ExecResult",
     "ExecTimeoutError",
     "FakeDriver",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -75,7 +76,7 @@ STRICT_MECHANISMS: tuple[Mechanism, ...] = (
 )
 DEFAULT_CPU_CORES = 1.0
 
-DriverName = Literal["process", "docker", "fake"]
+DriverName = Literal["process", "docker", "kubernetes", "fake"]
 
 
 class _Model(BaseModel):
@@ -236,11 +237,98 @@ class DockerConfig(_Model):
     workspace it lives in RAM and is charged to the memory cap."""
 
 
+_DNS1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+
+
+class KubernetesConfig(_Model):
+    """The kubernetes driver: which cluster and namespace, what runs the pods, the warm pool.
+    (Several of these choose the isolation itself: runtimeClassName, hostUsers, the
+    namespace, the image, verifyNetworkIsolation; see docs/deploy/kubernetes.md.)"""
+
+    kubeconfig: Path | None = None
+    """Kubeconfig file; null = $KUBECONFIG, else ~/.kube/config, else the pod's service
+    account when devs-sandbox itself runs in a cluster."""
+
+    context: str | None = None
+    """Kubeconfig context; null = its current-context."""
+
+    namespace: str | None = None
+    """Namespace of every pod, NetworkPolicy and Lease the driver makes; null = the
+    context's namespace, else (in a cluster) the pod's own, else "default"."""
+
+    image: str = "python:3.12-slim"
+    """Image of the sandbox pods when sandbox.image is null. It needs /bin/sh, and python3
+    for the per-exec supervisor (without it, an exec timeout kills every task process of
+    the sandbox, not only that exec's)."""
+
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    """The pods' imagePullPolicy."""
+
+    runtime_class_name: str | None = None
+    """RuntimeClass of the pods ("gvisor", "kata", ...): a kernel of their own under each
+    sandbox; null = the cluster's default runtime (runc, the node's kernel)."""
+
+    host_users: StrictBool = True
+    """false: a user namespace per pod (hostUsers: false; Kubernetes 1.30+ and a runtime
+    that supports it): uids in the pod map to an unprivileged range of its own on the node."""
+
+    app_armor: StrictBool = False
+    """Name the runtime's default AppArmor profile in the pod (appArmorProfile on 1.30+,
+    the annotation before): the kubelet then refuses to run it on a node without AppArmor
+    rather than run it without. (Nodes with AppArmor apply that profile either way.)"""
+
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    """Labels a node must carry to run the sandboxes (e.g. the nodes with gVisor)."""
+
+    warm_pool_size: Annotated[StrictInt, Field(ge=0, le=64)] = 0
+    """Pods created, started and checked ahead of time per configuration, claimed with one
+    conflict-checked patch and refilled in the background; 0 disables. Runs with a fixed
+    sandboxId or copyIn never take a pooled pod."""
+
+    tmp_bytes: Annotated[StrictInt, Field(ge=1 * MiB, le=64 * GiB)] = 64 * MiB
+    """Size of the pod's /tmp and /dev/shm (Memory emptyDirs, charged to the memory cap)."""
+
+    start_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 120.0
+    """Most seconds from create until the pod runs (scheduling, image pull). A pod that
+    cannot be scheduled or pulled is reported earlier, with the cluster's reason."""
+
+    api_timeout_s: Annotated[float, Field(gt=0, le=600)] = 30.0
+    """Most seconds one API request (and an exec's WebSocket handshake) may take."""
+
+    deadline_margin_s: Annotated[StrictInt, Field(ge=1, le=86_400)] = 60
+    """The pod's activeDeadlineSeconds is sandbox.timeoutMs plus this: the kubelet's
+    backstop behind our own total timeout, should this process die."""
+
+    lease_duration_s: Annotated[StrictInt, Field(ge=2, le=3600)] = 30
+    """Validity of this process's owner Lease, renewed every third of it. A lease left
+    unrenewed twice this long (once more for clock skew) is expired: the reaper deletes it,
+    its pods and policies."""
+
+    verify_network_isolation: StrictBool = True
+    """Before a pod without network is used, check from inside it that the deny-all
+    NetworkPolicy holds (only loopback, or the API server unreachable); refuse otherwise.
+    false trusts the policy: a CNI that ignores NetworkPolicy leaves the network open."""
+
+    @field_validator("namespace")
+    @classmethod
+    def _valid_namespace(cls, v: str | None) -> str | None:
+        if v is not None and not _DNS1123_LABEL.fullmatch(v):
+            raise ValueError(f"invalid namespace {v!r}: a lowercase RFC 1123 label")
+        return v
+
+    @field_validator("image")
+    @classmethod
+    def _valid_image(cls, v: str) -> str:
+        if not v.strip() or any(c.isspace() for c in v):
+            raise ValueError(f"invalid image reference {v!r}")
+        return v
+
+
 class SandboxLifecycleConfig(_Model):
     """One sandbox run: driver, timeouts, quotas, isolation. Also the file's ``sandbox``."""
 
     driver: DriverName = "process"
-    """Backend that runs the sandbox: "process" (this host) or "docker"."""
+    """Backend that runs the sandbox: "process" (this host), "docker" or "kubernetes"."""
 
     sandbox_id: str | None = None
     """Fixed id for the sandbox (letters, digits, '.', '_', '-'; at most 64); null = random."""
@@ -270,7 +358,8 @@ class SandboxLifecycleConfig(_Model):
     """Directory whose contents seed the workspace."""
 
     image: str | None = None
-    """Container image for the docker driver; null = docker.defaultImage."""
+    """Container image for the docker and kubernetes drivers; null = docker.defaultImage,
+    kubernetes.image."""
 
     fallback_driver: Literal["docker"] | None = None
     """When a command needs a runtime (python, node, go, rust) that the configured driver
@@ -278,6 +367,9 @@ class SandboxLifecycleConfig(_Model):
 
     docker: DockerConfig = Field(default_factory=DockerConfig)
     """Docker driver settings."""
+
+    kubernetes: KubernetesConfig = Field(default_factory=KubernetesConfig)
+    """Kubernetes driver settings."""
 
     quotas: QuotaConfig = Field(default_factory=QuotaConfig)
     """Hard limits."""
@@ -442,12 +534,12 @@ def load_config(path: Path | str | None = None, *, cwd: Path | None = None) -> D
 
 
 def override(config: SandboxLifecycleConfig, **changes: Any) -> SandboxLifecycleConfig:
-    """A copy of ``config`` with ``changes`` (snake_case; ``quotas``/``isolation``/``docker`` as
-    dicts merged into the existing ones), re-validated so an override cannot smuggle in a bad
-    value.
+    """A copy of ``config`` with ``changes`` (snake_case; ``quotas``/``isolation``/``docker``/
+    ``kubernetes`` as dicts merged into the existing ones), re-validated so an override
+    cannot smuggle in a bad value.
     """
     data = config.model_dump()
-    for key in ("quotas", "isolation", "docker"):
+    for key in ("quotas", "isolation", "docker", "kubernetes"):
         if key in changes:
             nested = changes.pop(key)
             if isinstance(nested, BaseModel):

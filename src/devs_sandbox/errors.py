@@ -20,8 +20,10 @@ are translated where they enter, with ``raise ... from exc``.
     +-- DriverError                              the driver's infrastructure failed
     |   +-- DriverUnavailableError               backend not installed or not reachable
     |   +-- ProvisionError                       the sandbox could not be created
+    |   |   +-- CapacityError                    the cluster refused it: quota, no room
     |   +-- ImageUnavailableError                no image could be resolved or built
     |   +-- UnsupportedRuntimeError              the driver lacks the runtime a command needs
+    |   +-- ExecLostError                        an exec ended without an exit status
     +-- SandboxNotFoundError (KeyError)          unknown or already destroyed sandbox id
     +-- SessionLimitError                        the MCP server already keeps mcp.maxSessions alive
     +-- ExecTimeoutError (TimeoutError)          one exec ran past its own timeout
@@ -105,6 +107,16 @@ class ProvisionError(DriverError):
     """A sandbox could not be created; whatever was made has been torn down."""
 
 
+class CapacityError(ProvisionError):
+    """The backend refused the sandbox for lack of room: a ResourceQuota answered 403
+    ("exceeded quota"), or no node can take the pod. Reported at once with the backend's
+    reason, never as a timeout; ``reason`` is that text."""
+
+    def __init__(self, message: str, *, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 class ImageUnavailableError(DriverError):
     """No local image, no registry, no fallback and the rebuild failed."""
 
@@ -116,6 +128,12 @@ class UnsupportedRuntimeError(DriverError):
         super().__init__(message)
         self.runtime = runtime
         self.suggested_driver = suggested_driver
+
+
+class ExecLostError(DriverError):
+    """The exec stream ended without the exit status the protocol promises (a dropped
+    connection, a lost frame): an infrastructure failure, never reported as exit 0.
+    The exec's processes were killed before this was raised, where the backend allowed."""
 
 
 class SandboxNotFoundError(DevsSandboxError, KeyError):
