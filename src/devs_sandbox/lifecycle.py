@@ -237,6 +237,8 @@ class SandboxLifecycleManager:
                 kwargs: dict[str, Any] = {"emit": self.bus.emit}
                 if config.driver == "process":
                     kwargs["sanitizer"] = self.sanitizer
+                if config.driver == "kubernetes":  # the cluster it binds to (and reaps in)
+                    kwargs["kubernetes"] = config.kubernetes
                 driver = create_driver(config.driver, **kwargs)
                 self._drivers[config.driver] = driver
         return driver

@@ -1,4 +1,5 @@
-"""Backends. The process driver is the embedded default; Docker is imported only when asked for."""
+"""Backends. The process driver is the embedded default; Docker and Kubernetes are imported
+only when asked for (their SDKs are optional extras)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 from devs_sandbox.base import SandboxDriver
 from devs_sandbox.errors import ConfigError
 
-DRIVER_NAMES = ("process", "docker", "fake")
+DRIVER_NAMES = ("process", "docker", "kubernetes", "fake")
 
 
 def create_driver(name: str, **kwargs: Any) -> SandboxDriver:
@@ -22,6 +23,12 @@ def create_driver(name: str, **kwargs: Any) -> SandboxDriver:
         module = importlib.import_module("devs_sandbox.drivers.docker")
         driver: SandboxDriver = module.DockerDriver(**kwargs)
         return driver
+    if name == "kubernetes":
+        # Imported by name: the kubernetes client is an optional dependency, loaded by the
+        # driver itself on first use (the manifest builder needs none of it).
+        k8s = importlib.import_module("devs_sandbox.drivers.kubernetes.driver")
+        kdriver: SandboxDriver = k8s.KubernetesDriver(**kwargs)
+        return kdriver
     if name == "fake":
         from devs_sandbox.drivers.fake import FakeDriver  # noqa: PLC0415
 
