@@ -157,7 +157,9 @@ def build_parser() -> _Parser:
         description="Run COMMAND in a fresh sandbox, then destroy it. Use -- before COMMAND.",
     )
     run.usage_status = EXIT_CANNOT_RUN
-    run.add_argument("--driver", choices=["process", "docker"], help="backend (default: config)")
+    run.add_argument(
+        "--driver", choices=["process", "docker", "kubernetes"], help="backend (default: config)"
+    )
     run.add_argument("--image", help="container image for --driver docker")
     run.add_argument("--timeout", type=_positive_seconds, metavar="SECONDS", help="total timeout")
     run.add_argument(
@@ -238,6 +240,7 @@ def build_parser() -> _Parser:
     run.add_argument("--config", type=Path, metavar="PATH")
     run.add_argument("--db", type=Path, metavar="PATH", help="violation store (SQLite)")
     run.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    _add_cluster_options(run)
     run.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND [ARG...]")
 
     vio = sub.add_parser("violations", help="list recorded violations")
@@ -254,6 +257,13 @@ def build_parser() -> _Parser:
     clean = sub.add_parser("cleanup", help="reap sandboxes left behind by dead processes")
     clean.add_argument("--config", type=Path, metavar="PATH")
     clean.add_argument("--json", action="store_true")
+    clean.add_argument(
+        "--driver",
+        choices=["process", "docker", "kubernetes"],
+        help="only this driver's (default: process and docker, and kubernetes if configured)",
+    )
+    _add_cluster_options(clean)
+    _add_kubernetes_parser(sub)
 
     _add_mcp_parser(sub)
 
@@ -317,6 +327,8 @@ def _run_config(args: argparse.Namespace, file_cfg: DevsConfig) -> SandboxLifecy
         changes["quotas"] = quotas
     if isolation:
         changes["isolation"] = isolation
+    if _cluster_changes(args):
+        changes["kubernetes"] = _cluster_changes(args)
     return override(file_cfg.sandbox, **changes)
 
 
@@ -502,7 +514,11 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
     from devs_sandbox.doctor import cleanup_all  # noqa: PLC0415
 
     file_cfg = load_config(args.config)
-    reaped = cleanup_all(file_cfg)
+    if _cluster_changes(args):
+        sandbox = override(file_cfg.sandbox, kubernetes=_cluster_changes(args))
+        file_cfg = file_cfg.model_copy(update={"sandbox": sandbox})
+    drivers = (args.driver,) if args.driver else None
+    reaped = cleanup_all(file_cfg, drivers)
     if args.json:
         json.dump({"reaped": reaped}, sys.stdout)
         sys.stdout.write("\n")
@@ -651,6 +667,77 @@ def cmd_image(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- kubernetes -----------------------------------------------------------------------------
+def _add_cluster_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("kubernetes (--driver kubernetes)")
+    group.add_argument("--kubeconfig", type=Path, metavar="PATH", help="kubeconfig file")
+    group.add_argument("--context", metavar="NAME", help="kubeconfig context")
+    group.add_argument("--namespace", metavar="NS", help="namespace of the sandboxes' pods")
+
+
+def _cluster_changes(args: argparse.Namespace) -> dict[str, Any]:
+    picked = {
+        "kubeconfig": getattr(args, "kubeconfig", None),
+        "context": getattr(args, "context", None),
+        "namespace": getattr(args, "namespace", None),
+    }
+    return {k: v for k, v in picked.items() if v is not None}
+
+
+def _add_kubernetes_parser(sub: Any) -> None:
+    k8s = sub.add_parser("kubernetes", help="the kubernetes driver's objects")
+    k8s_sub = k8s.add_subparsers(dest="k8s_cmd", metavar="ACTION", parser_class=_Parser)
+    man = k8s_sub.add_parser(
+        "manifest",
+        help="print the Pod and NetworkPolicy a run would create, without a cluster",
+        description="Print the objects `devs-sandbox run --driver kubernetes [run options]` "
+        "would create (like kubectl create --dry-run=client). Accepts every run option.",
+    )
+    man.add_argument("--output", choices=["json", "yaml"], default="yaml")
+    man.add_argument(
+        "--server-version",
+        default="1.28",
+        metavar="MAJOR.MINOR",
+        help="the API server to write for: newer fields only for a server that has them",
+    )
+
+
+def cmd_kubernetes(args: argparse.Namespace) -> int:
+    if args.k8s_cmd != "manifest":
+        raise UsageError(f"{PROG} kubernetes: choose 'manifest'", EXIT_USAGE)
+    from devs_sandbox.drivers.kubernetes import manifest as mf  # noqa: PLC0415
+    from devs_sandbox.models import new_sandbox_id  # noqa: PLC0415
+
+    run_args = build_parser().parse_args(["run", *args.run_options, "--", "true"])
+    major, _, minor = str(args.server_version).partition(".")
+    if not (major.isdigit() and minor.isdigit()):
+        raise UsageError(f"{PROG} kubernetes manifest: --server-version MAJOR.MINOR", EXIT_USAGE)
+    cfg = _run_config(run_args, load_config(run_args.config))
+    made = mf.build_manifest(
+        cfg,
+        sandbox_id=cfg.sandbox_id or new_sandbox_id(),
+        namespace=cfg.kubernetes.namespace or "default",
+        uid=mf.pick_uid(cfg),
+        server=(int(major), int(minor)),
+    )
+    mf.validate_pod_spec(made.pod, mf.PodPolicy.of(cfg))
+    mf.validate_network_policy(made.network_policy, made.pod, network=cfg.network)
+    if args.output == "json":
+        json.dump(
+            {"apiVersion": "v1", "kind": "List", "items": made.objects()}, sys.stdout, indent=2
+        )
+        sys.stdout.write("\n")
+        return 0
+    try:
+        import yaml  # noqa: PLC0415 - PyYAML comes with the kubernetes extra
+    except ImportError:
+        raise DevsSandboxError(
+            "--output yaml needs PyYAML: pip install 'devs-sandbox[kubernetes]', or --output json"
+        ) from None
+    sys.stdout.write(yaml.safe_dump_all(made.objects(), sort_keys=False))
+    return 0
+
+
 COMMANDS = {
     "run": cmd_run,
     "violations": cmd_violations,
@@ -659,6 +746,7 @@ COMMANDS = {
     "config": cmd_config,
     "mcp": cmd_mcp,
     "image": cmd_image,
+    "kubernetes": cmd_kubernetes,
 }
 
 
@@ -683,6 +771,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         print(exc, file=sys.stderr)
         return exc.status
+    if args.cmd == "kubernetes":  # `kubernetes manifest` takes every run option
+        args.run_options, extra = extra, []
     if extra:
         status = EXIT_CANNOT_RUN if args.cmd == "run" else EXIT_USAGE
         where = f"{PROG} {args.cmd}" if args.cmd else PROG

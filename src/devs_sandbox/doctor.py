@@ -11,6 +11,7 @@ import logging
 import os
 import platform
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -159,19 +160,27 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def cleanup_all(config: DevsConfig) -> dict[str, list[str]]:
-    """Reap orphans of every driver that can be loaded here."""
+def cleanup_all(config: DevsConfig, drivers: Sequence[str] | None = None) -> dict[str, list[str]]:
+    """Reap orphans of ``drivers`` (default: every driver that can be loaded here; the
+    kubernetes one only when the config names it, since it reaches a cluster)."""
     from devs_sandbox.lifecycle import SandboxLifecycleManager  # noqa: PLC0415
 
     reaped: dict[str, list[str]] = {}
     manager = SandboxLifecycleManager(config=config, store=None, reap_orphans=False)
-    for name in ("process", "docker"):
-        try:
-            driver = manager.driver_for(config.sandbox.model_copy(update={"driver": name}))
-        except Exception as exc:  # e.g. the docker SDK not installed: nothing of it to reap
-            logger.debug("no %s driver here: %s", name, exc)
-            continue
-        ids = manager.reap_orphans(driver)
-        if ids:
-            reaped[name] = ids
+    if drivers is None:
+        drivers = ("process", "docker")
+        if config.sandbox.driver == "kubernetes":
+            drivers = (*drivers, "kubernetes")
+    try:
+        for name in drivers:
+            try:
+                driver = manager.driver_for(config.sandbox.model_copy(update={"driver": name}))
+            except Exception as exc:  # e.g. the docker SDK not installed: nothing to reap
+                logger.debug("no %s driver here: %s", name, exc)
+                continue
+            ids = manager.reap_orphans(driver)
+            if ids:
+                reaped[name] = ids
+    finally:
+        manager.shutdown()
     return reaped
