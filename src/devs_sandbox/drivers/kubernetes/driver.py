@@ -60,7 +60,7 @@ from devs_sandbox.drivers.kubernetes.manifest import (
     validate_network_policy,
     validate_pod_spec,
 )
-from devs_sandbox.drivers.kubernetes.pool import WarmPool
+from devs_sandbox.drivers.kubernetes.pool import WarmPool, warm_manifest
 from devs_sandbox.drivers.kubernetes.runner import ExecRunner
 from devs_sandbox.drivers.kubernetes.shim import ProbeInfo, Sample, parse_sample
 from devs_sandbox.drivers.kubernetes.transport import HandshakeError
@@ -352,7 +352,7 @@ class KubernetesDriver:
             owner=self.lease.ref(),
         )
         if pool:
-            manifest = self.pool.pool_manifest(manifest)
+            manifest = warm_manifest(manifest)
         box = Box(sandbox_id, manifest.pod["metadata"]["name"], plan, uid)
         with self._lock:
             if not pool and sandbox_id in self._boxes:
@@ -407,14 +407,18 @@ class KubernetesDriver:
         # As stored: defaults, admission webhooks, a server dropping what it does not know.
         validate_pod_spec(pod, policy)
         validate_network_policy(stored_policy, pod, network=policy.network)
+        # From now on the pod owns its policy (alone: the garbage collector keeps an object
+        # while any owner lives), so the policy goes when the pod has gone, whoever owns
+        # the pod by then (a warm pod changes owners), and holds as long as it may run.
         owner = {"apiVersion": "v1", "kind": "Pod", "name": box.name, "uid": box.pod_uid}
         cl.request(
             "let the pod own its NetworkPolicy",
             "PATCH",
             cl.path(POLICIES, box.name),
-            body=[{"op": "add", "path": "/metadata/ownerReferences/-", "value": owner}],
+            body=[{"op": "replace", "path": "/metadata/ownerReferences", "value": [owner]}],
             content_type=JSON_PATCH,
         )
+        made.append("owned")
 
     def await_running(self, box: Box, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -470,19 +474,25 @@ class KubernetesDriver:
         box.isolation, box.warnings = self._settle(box.config, box.probe)
 
     def _undo(self, box: Box, made: list[str]) -> None:
+        """Delete what a failed provision made: the pod, and the policy unless the pod
+        already owns it (then the garbage collector takes it after the pod)."""
         with self._lock:
             if self._boxes.get(box.id) is box:
                 del self._boxes[box.id]
             if self._by_pod.get(box.name) is box:
                 del self._by_pod[box.name]
         if made:
-            self._delete_objects(box.name)
+            self._delete_objects(box.name, policy="owned" not in made)
 
-    def _delete_objects(self, name: str) -> list[str]:
-        """Delete a sandbox's pod and policy; what could not go (a reaper retries)."""
+    def _delete_objects(self, name: str, *, policy: bool = False) -> list[str]:
+        """Delete a sandbox's pod (and, with ``policy``, its NetworkPolicy; otherwise the
+        garbage collector deletes the policy once the pod that owns it is gone, so the
+        policy holds for as long as any process of the pod may still run). Returns what
+        could not go (the reaper retries)."""
         left: list[str] = []
         cl = self.cluster
-        for template, what in ((PODS, "pod"), (POLICIES, "NetworkPolicy")):
+        targets = [(PODS, "pod")] + ([(POLICIES, "NetworkPolicy")] if policy else [])
+        for template, what in targets:
             try:
                 cl.request(f"delete {what} {name}", "DELETE", cl.path(template, name))
             except ApiError as exc:

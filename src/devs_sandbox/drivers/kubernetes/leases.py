@@ -76,6 +76,22 @@ def lease_expired(lease: Mapping[str, Any], now: datetime | None = None) -> bool
     return (now or datetime.now(UTC)) - last > timedelta(seconds=SKEW_FACTOR * duration)
 
 
+def lease_body(name: str, holder: str, duration_s: int) -> dict[str, Any]:
+    """The owner Lease object as created."""
+    now = micro_time()
+    return {
+        "apiVersion": "coordination.k8s.io/v1",
+        "kind": "Lease",
+        "metadata": {"name": name, "labels": {LABEL_MANAGED: MANAGED_BY, LABEL_ROLE: "owner"}},
+        "spec": {
+            "holderIdentity": holder,
+            "leaseDurationSeconds": duration_s,
+            "acquireTime": now,
+            "renewTime": now,
+        },
+    }
+
+
 class OwnerLease:
     """This process's Lease: created on first use, renewed in the background, deleted by
     ``release`` (the garbage collector then takes anything of ours still left)."""
@@ -103,21 +119,7 @@ class OwnerLease:
             return self._ref
 
     def _create(self) -> OwnerRef:
-        now = micro_time()
-        body = {
-            "apiVersion": "coordination.k8s.io/v1",
-            "kind": "Lease",
-            "metadata": {
-                "name": self.name,
-                "labels": {LABEL_MANAGED: MANAGED_BY, LABEL_ROLE: "owner"},
-            },
-            "spec": {
-                "holderIdentity": self.holder,
-                "leaseDurationSeconds": self.duration_s,
-                "acquireTime": now,
-                "renewTime": now,
-            },
-        }
+        body = lease_body(self.name, self.holder, self.duration_s)
         made = self.cluster.request(
             "create the owner lease",
             "POST",

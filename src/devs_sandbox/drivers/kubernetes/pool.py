@@ -66,6 +66,15 @@ def _label_path(key: str) -> str:
     return "/metadata/labels/" + key.replace("~", "~0").replace("/", "~1")
 
 
+def warm_manifest(m: Manifest) -> Manifest:
+    """A sandbox's objects as a warm pod: pool and state labels, a day's deadline."""
+    pod = json.loads(json.dumps(m.pod))
+    pod["metadata"]["labels"][LABEL_POOL] = m.shape
+    pod["metadata"]["labels"][LABEL_STATE] = STATE_FILLING
+    pod["spec"]["activeDeadlineSeconds"] = WARM_DEADLINE_S
+    return dataclasses.replace(m, pod=pod)
+
+
 class WarmPool:
     """See the module docstring. ``claims``/``conflicts`` count for tests and benchmarks."""
 
@@ -82,14 +91,6 @@ class WarmPool:
     def names(self) -> set[str]:
         with self._cond:
             return set(self._filling)
-
-    def pool_manifest(self, m: Manifest) -> Manifest:
-        """A sandbox's objects as a warm pod: pool and state labels, a long deadline."""
-        pod = json.loads(json.dumps(m.pod))
-        pod["metadata"]["labels"][LABEL_POOL] = m.shape
-        pod["metadata"]["labels"][LABEL_STATE] = STATE_FILLING
-        pod["spec"]["activeDeadlineSeconds"] = WARM_DEADLINE_S
-        return dataclasses.replace(m, pod=pod)
 
     def on_pod(self, kind: str, pod: Mapping[str, Any]) -> None:
         labels = (pod.get("metadata") or {}).get("labels") or {}
@@ -181,10 +182,10 @@ class WarmPool:
             box.isolation, box.warnings = self.driver._settle(config, probe)
         except SecurityConfigError as exc:
             logger.error("warm pod %s fails validation, deleting it: %s", name, exc)  # noqa: TRY400
-            self.driver._undo(box, ["pod"])
+            self.driver._undo(box, ["pod", "owned"])
             return None
         except BaseException:
-            self.driver._undo(box, ["pod"])
+            self.driver._undo(box, ["pod", "owned"])
             raise
         with self._cond:
             self.claims += 1

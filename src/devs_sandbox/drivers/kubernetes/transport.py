@@ -217,7 +217,8 @@ class ExecChannel:
         self._outbox = bytearray()
         self._status = bytearray()
         self.status_seen = False
-        self.eof = False
+        self.eof = False  # nothing more to read
+        self._broken = False  # nothing more can be written
         self._closed_stdin = False
         sock.setblocking(False)
         pending = sock.pending() if isinstance(sock, ssl.SSLSocket) else 0
@@ -275,7 +276,7 @@ class ExecChannel:
             except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
                 break
             except OSError:
-                self.eof = True
+                self.eof = self._broken = True
                 break
             if not data:
                 self.eof = True
@@ -333,16 +334,16 @@ class ExecChannel:
         self.flush()
 
     def flush(self) -> None:
-        while self._outbox and not self.eof:
+        while self._outbox and not self._broken:
             try:
                 sent = self.sock.send(self._outbox)
             except (BlockingIOError, ssl.SSLWantWriteError, ssl.SSLWantReadError):
                 return
             except OSError:
-                self.eof = True
-                return
+                self._broken = self.eof = True
+                break
             del self._outbox[:sent]
-        if self.eof:
+        if self._broken:
             self._outbox.clear()
 
     # -- the end ------------------------------------------------------------------------
