@@ -36,11 +36,12 @@ from devs_sandbox.drivers.kubernetes.manifest import (
     validate_network_policy,
     validate_pod_spec,
 )
+from devs_sandbox.errors import WeakerIsolationError
 from devs_sandbox.events import SandboxEvents
 from devs_sandbox.models import ViolationType
 from devs_sandbox.store import ViolationStore
 from kubernetes import client as kclient
-from tests.kubernetes.driver.helpers import BOTH, Target, wait_for
+from tests.kubernetes.driver.helpers import BOTH, Target, wait_for, wait_for_empty
 from tests.kubernetes.emulator import Quota
 
 pytestmark = pytest.mark.kubernetes
@@ -484,3 +485,93 @@ def test_force_stop_kills_every_task_process_and_the_pod_stays_inspectable(targe
         ctx, ExecRequest.of("cat /proc/1/cmdline | tr '\\0' ' '")
     ).stdout.text.startswith("/bin/sh -c trap")
     driver.destroy(ctx)
+
+
+# -- pods that never run ------------------------------------------------------------------------
+def _answer_first_pod(target: Target, status: dict[str, Any]) -> None:
+    """Act as the scheduler and kubelet for the one pod the driver creates."""
+    core = target.core()
+    pod = wait_for(lambda: core.list_namespaced_pod(target.namespace).items, "the driver's pod")[0]
+    core.patch_namespaced_pod_status(pod.metadata.name, target.namespace, {"status": status})
+
+
+@pytest.mark.parametrize(
+    ("status", "error", "text"),
+    [
+        (
+            {
+                "containerStatuses": [
+                    {
+                        "name": "sandbox",
+                        "image": "x",
+                        "imageID": "",
+                        "ready": False,
+                        "restartCount": 0,
+                        "state": {
+                            "waiting": {"reason": "ErrImagePull", "message": "no such image"}
+                        },
+                    }
+                ]
+            },
+            "ImageUnavailableError",
+            "ErrImagePull: no such image",
+        ),
+        (
+            {
+                "conditions": [
+                    {
+                        "type": "PodScheduled",
+                        "status": "False",
+                        "reason": "Unschedulable",
+                        "message": "0/3 nodes are available: 3 Insufficient memory.",
+                    }
+                ]
+            },
+            "CapacityError",
+            "Insufficient memory",
+        ),
+    ],
+    ids=["image", "unschedulable"],
+)
+def test_a_pod_that_cannot_run_fails_with_the_clusters_reason(
+    cluster: Any, status: dict[str, Any], error: str, text: str
+) -> None:
+    target = Target(cluster.kubeconfig, cluster.context, cluster.namespace, emulator=cluster.api)
+    driver = target.driver()
+    failures: list[BaseException] = []
+
+    def provision() -> None:
+        try:
+            driver.provision(target.config(kubernetes={"start_timeout_s": 2}))
+        except BaseException as exc:
+            failures.append(exc)
+
+    t = threading.Thread(target=provision)
+    t.start()
+    _answer_first_pod(target, status)
+    t.join(60)
+    assert [type(f).__name__ for f in failures] == [error]
+    assert text in str(failures[0])
+    driver.close()
+    assert wait_for_empty(target) == []  # its pod, then (collected) policy and lease
+
+
+# -- the network ----------------------------------------------------------------------------------
+@pytest.mark.docker
+def test_network_is_given_only_when_asked_and_an_unenforced_policy_refuses_the_run(
+    emulated: Target, kubelet: Any
+) -> None:
+    driver = emulated.driver()
+    opened = driver.provision(emulated.config(network=True))
+    assert "network-policy" not in opened.isolation and "net-namespace" not in opened.isolation
+    ifaces = driver.exec(opened, ExecRequest.of("ls /sys/class/net")).stdout.text.split()
+    assert "lo" in ifaces and len(ifaces) == 2
+    driver.destroy(opened)
+
+    kubelet._denied = lambda pod: False  # a CNI that ignores NetworkPolicy
+    with pytest.raises(WeakerIsolationError, match="net-namespace"):
+        driver.provision(emulated.config())
+    weaker = driver.provision(emulated.config(isolation={"allow_weaker_isolation": True}))
+    assert "network-policy" not in weaker.isolation and "net-namespace" not in weaker.isolation
+    assert any(w.startswith("net-namespace: ") for w in weaker.warnings)
+    driver.destroy(weaker)

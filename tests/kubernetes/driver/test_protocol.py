@@ -14,6 +14,8 @@ import socket
 import subprocess
 import sys
 import threading
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -375,3 +377,118 @@ def test_samples_and_probes_parse() -> None:
     assert shim.ProbeInfo.from_json(probe.to_json()) == probe
     assert shim.ProbeInfo.from_json("not json") is None
     assert shim.ProbeInfo.parse("nproc=-x\n").nproc_flag == ""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _descendants(pid: int) -> set[int]:
+    kids: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            kids.setdefault(ppid, []).append(int(entry.name))
+    out: set[int] = set()
+    todo = [pid]
+    while todo:
+        for k in kids.get(todo.pop(), []):
+            out.add(k)
+            todo.append(k)
+    return out
+
+
+@pytest.mark.skipif(shutil.which("python3") is None, reason="python3 not on PATH")
+def test_killing_one_exec_takes_its_whole_tree_and_nothing_else() -> None:
+    """The per-exec kill, proved on this host's kernel: setsid'd and double-forked
+    descendants stay the supervisor's (a child subreaper) and die with SIGUSR1 to it; a
+    bystander (another exec's process) survives; a kill for an exec that is over is a
+    no-op, not a kill of everything."""
+    bystander = subprocess.Popen(["sleep", "60"])
+    header = shim.exec_header(
+        nonce="tree1",
+        argv=[
+            "/bin/sh",
+            "-c",
+            "setsid sleep 61 & (sleep 62 &); sh -c 'sleep 63 & sleep 64' & sleep 65",
+        ],
+        env={},
+        limits=LIMITS,
+        nproc_flag=nproc_flag(),
+        supervisor=True,
+    )
+    shim_proc = subprocess.Popen(
+        ["/bin/sh", "-c", shim.SHIM, shim.SHIM_NAME],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        assert shim_proc.stdin is not None
+        shim_proc.stdin.write(header)
+        shim_proc.stdin.close()
+        pidfile = Path(f"{shim.PIDFILE_PREFIX}tree1")
+        deadline = time.monotonic() + 10
+        while len(_descendants(shim_proc.pid)) < 6 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        tree = _descendants(shim_proc.pid)
+        assert len(tree) >= 6, tree  # sh, 4 sleeps (one setsid'd, one orphaned), sh -c
+        assert int(pidfile.read_text()) == shim_proc.pid  # sh became the supervisor
+        kill = subprocess.run(
+            ["/bin/sh", "-c", shim.KILL, "kill", "tree1"], check=False, timeout=30
+        )
+        assert kill.returncode == 0
+        assert shim_proc.wait(10) == 137
+        deadline = time.monotonic() + 5
+        while any(_alive(p) for p in tree) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not [p for p in tree if _alive(p)]
+        assert bystander.poll() is None  # not everything: only that exec's tree
+        assert not pidfile.exists()
+        again = subprocess.run(
+            ["/bin/sh", "-c", shim.KILL, "kill", "tree1"], check=False, timeout=30
+        )
+        assert again.returncode == 0 and bystander.poll() is None
+    finally:
+        shim_proc.kill()
+        bystander.kill()
+        bystander.wait()
+
+
+# -- what a pod's status means ----------------------------------------------------------------
+def _pod(
+    phase: str, reason: str = "", message: str = "", term: str | None = None
+) -> dict[str, Any]:
+    status: dict[str, Any] = {"phase": phase, "reason": reason, "message": message}
+    if term is not None:
+        status["containerStatuses"] = [{"state": {"terminated": {"reason": term, "exitCode": 137}}}]
+    return {"metadata": {"name": "p"}, "status": status}
+
+
+def test_the_watch_reads_oom_eviction_and_deadline_from_a_pod() -> None:
+    from devs_sandbox.drivers.kubernetes.watcher import classify
+
+    oom = classify(_pod("Failed", term="OOMKilled"))
+    assert oom.finished and oom.oom and oom.reason == "OOMKilled"
+    memory = classify(_pod("Failed", "Evicted", "The node was low on resource: memory."))
+    assert memory.oom and not memory.disk_full
+    disk = classify(
+        _pod("Failed", "Evicted", 'Usage of EmptyDir volume "workspace" exceeds the limit "1Gi".')
+    )
+    assert disk.disk_full and not disk.oom
+    deadline = classify(_pod("Failed", "DeadlineExceeded", "Pod was active too long"))
+    assert deadline.finished and not deadline.oom and deadline.reason == "DeadlineExceeded"
+    running = classify(
+        {
+            "metadata": {},
+            "status": {"phase": "Running", "containerStatuses": [{"state": {"running": {}}}]},
+        }
+    )
+    assert running.running and not running.finished

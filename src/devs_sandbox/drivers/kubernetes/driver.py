@@ -462,8 +462,12 @@ class KubernetesDriver:
         box.observe(pod)
 
     def probe(self, box: Box) -> None:
+        """Learn what the pod offers; without network, wait (3 s at most) until the deny-all
+        policy shows from inside (a CNI may apply it a moment after the pod started)."""
+        cfg = box.config
+        check = not cfg.network and cfg.kubernetes.verify_network_isolation
         out, err, status = self.runner.script(
-            box.name, shim.PROBE, ["wait"], timeout_s=PROBE_TIMEOUT_S
+            box.name, shim.PROBE, ["wait" if check else "skip"], timeout_s=PROBE_TIMEOUT_S
         )
         if status.code != 0:
             raise ProvisionError(
@@ -614,7 +618,8 @@ class KubernetesDriver:
         else:
             self.refresh(box)
             if not box.dead:
-                self.runner.kill_exec(box, outcome.nonce)
+                with contextlib.suppress(DevsSandboxError):
+                    self.runner.kill_exec(box, outcome.nonce)
                 raise ExecLostError(
                     f"sandbox {box.id}: lost the exec ({status.reason}: {status.message}); "
                     "its processes were killed"

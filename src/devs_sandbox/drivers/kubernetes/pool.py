@@ -98,6 +98,17 @@ class WarmPool:
             with self._cond:
                 self._cond.notify_all()  # one of ours was claimed or deleted: refill
 
+    def ready(self, plan: Plan) -> int:
+        """How many warm pods of ``plan``'s shape are claimable now (any owner's)."""
+        cl = self.driver.cluster
+        selector = (
+            f"{LABEL_MANAGED}={MANAGED_BY},{LABEL_POOL}={plan.shape},{LABEL_STATE}={STATE_WARM}"
+        )
+        listed = cl.request(
+            "list warm pods", "GET", cl.path(PODS), query={"labelSelector": selector}
+        )
+        return len(listed.get("items") or [])
+
     # -- claiming ------------------------------------------------------------------------------
     def take(self, plan: Plan, size: int) -> Box | None:
         """A claimed warm pod of ``plan``'s shape, registered with the driver; None when the

@@ -10,7 +10,6 @@ supervisor: the loop keeps draining output meanwhile, for at most ``KILL_GRACE_S
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import secrets
 import threading
@@ -186,6 +185,9 @@ class ExecRunner:
         return Outcome(result, status, nonce, bool(killed_all))
 
     def kill_exec(self, box: Box, nonce: str) -> None:
-        """Kill one exec's tree (a lost exec's processes must not outlive it)."""
-        with contextlib.suppress(Exception):
+        """Kill one exec's tree through its supervisor; without one (no python3 in the
+        image), every task process of the sandbox (pid 1 spared)."""
+        if box.probe is not None and box.probe.supervisor:
             self.script(box.name, shim.KILL, [nonce], timeout_s=KILL_GRACE_S)
+        else:
+            self.script(box.name, shim.FORCE_STOP, timeout_s=KILL_GRACE_S)

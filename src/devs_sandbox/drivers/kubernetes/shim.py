@@ -108,7 +108,7 @@ def main():
     except Exception:
         pass
     pidfile = '/tmp/.devs-x.' + nonce
-    try:
+    try:  # the shim wrote its pid (ours, after exec); a v4 stdin pipeline's is the shell's
         with open(pidfile, 'w') as f:
             f.write('%d\n' % me)
     except OSError:
@@ -177,13 +177,24 @@ def main():
 main()
 """.replace("@GRACE@", repr(EXIT_DRAIN_GRACE_S))
 
-# Kill one exec: SIGUSR1 to its supervisor (checked by name: a pid could have been
-# reused), else every task process of the sandbox (exit 3 says so).
+# Kill one exec: SIGUSR1 to its supervisor, whose pid the shim wrote first thing (as sh,
+# before it became python3). Still starting: wait for it (at most 2 s, then SIGKILL the
+# starter, which has no children yet); no pidfile after 0.2 s, or a pid that is no longer
+# ours: the exec is over and there is nothing to kill.
 KILL: Final = """f=/tmp/.devs-x.$1; i=0
-while [ ! -s "$f" ] && [ $i -lt 50 ]; do sleep 0.02; i=$((i+1)); done
-if read -r p 2>/dev/null < "$f" && read -r c 2>/dev/null < "/proc/$p/comm" \\
-   && [ "$c" = devs-supervisor ] && kill -USR1 "$p" 2>/dev/null; then exit 0; fi
-kill -KILL -1 2>/dev/null; exit 3"""
+while [ $i -lt 100 ]; do
+  if read -r p 2>/dev/null < "$f"; then
+    c=; read -r c 2>/dev/null < "/proc/$p/comm"
+    case "$c" in
+      devs-supervisor) kill -USR1 "$p" 2>/dev/null; exit 0;;
+      sh|dash|bash|ash|python3*) ;;
+      *) exit 0;;
+    esac
+  elif [ $i -ge 10 ]; then exit 0
+  fi
+  sleep 0.02; i=$((i+1))
+done
+kill -KILL "$p" 2>/dev/null; exit 0"""
 
 # Every task process of the sandbox (kill(2) with -1 spares pid 1 and the caller).
 FORCE_STOP: Final = "kill -KILL -1 2>/dev/null; exit 0"
@@ -200,7 +211,7 @@ else echo cgroup=; fi
 if command -v awk >/dev/null 2>&1 && find /workspace -maxdepth 0 -printf '' >/dev/null 2>&1
 then echo find=1; else echo find=0; fi
 i=0
-while :; do
+while [ "$1" != skip ]; do
   n=0; for x in /sys/class/net/*; do [ -e "$x" ] && n=$((n+1)); done
   if [ "$n" -le 1 ] && [ -e /sys/class/net/lo ]; then echo network=none; break; fi
   if [ -n "$KUBERNETES_SERVICE_HOST" ] && [ -n "$py" ]; then
@@ -220,6 +231,7 @@ except OSError:
   if [ "$1" != wait ] || [ $i -ge 30 ]; then echo network=unknown; break; fi
   sleep 0.1; i=$((i+1))
 done
+[ "$1" = skip ] && echo network=unchecked
 exit 0"""
 
 SAMPLE: Final = """n=0; s=0
@@ -294,7 +306,10 @@ def exec_header(
     takes those)."""
     if nproc_flag not in ("-u", "-p"):
         raise ValueError(f"unknown ulimit flag {nproc_flag!r}")
-    parts = [
+    if not re.fullmatch(r"[A-Za-z0-9-]{1,64}", nonce):
+        raise ValueError(f"invalid exec nonce {nonce!r}")
+    parts = [f"echo $$ > {PIDFILE_PREFIX}{nonce}"] if supervisor else []
+    parts += [
         "ulimit -c 0 2>/dev/null",
         f"{{ ulimit -n {limits.nofile} && ulimit -f {limits.fsize_blocks} && "
         f"ulimit {nproc_flag} {limits.nproc}; }} 2>/dev/null || "
