@@ -37,6 +37,7 @@ from devs_sandbox.errors import (
     DevsSandboxError,
     QuotaExceededError,
     SandboxCancelledError,
+    SandboxLostError,
     SandboxPreFlightError,
     SandboxTimeoutError,
     SecretError,
@@ -157,7 +158,14 @@ def build_parser() -> _Parser:
         description="Run COMMAND in a fresh sandbox, then destroy it. Use -- before COMMAND.",
     )
     run.usage_status = EXIT_CANNOT_RUN
-    run.add_argument("--driver", choices=["process", "docker"], help="backend (default: config)")
+    run.add_argument(
+        "--driver", choices=["process", "docker", "ray"], help="backend (default: config)"
+    )
+    run.add_argument(
+        "--ray-address",
+        metavar="ADDR",
+        help="Ray cluster for --driver ray: HOST:PORT, auto (default) or local",
+    )
     run.add_argument("--image", help="container image for --driver docker")
     run.add_argument("--timeout", type=_positive_seconds, metavar="SECONDS", help="total timeout")
     run.add_argument(
@@ -275,6 +283,8 @@ def _run_config(args: argparse.Namespace, file_cfg: DevsConfig) -> SandboxLifecy
         changes["driver"] = args.driver
     if args.image:
         changes["image"] = args.image
+    if args.ray_address:
+        changes["ray"] = {"address": args.ray_address}
     if args.timeout is not None:
         changes["timeout_ms"] = max(1, round(args.timeout * 1000))
     if args.idle_timeout is not None:
@@ -408,9 +418,11 @@ def cmd_run(args: argparse.Namespace) -> int:
             ) from None
     if not args.json:
         manager.bus.on(SandboxEvents.CREATED, _warn_weaker)
+        manager.bus.on(SandboxEvents.QUEUED, _note_queued)
     outcome: SandboxOutcome | None = None
     status = 0
     error_line: str | None = None
+    lost_node: str | None = None
     try:
         outcome = manager.run_in_sandbox(command, cfg, stdin=stdin_data, secrets=secrets, **streams)
         status = outcome.exit_code
@@ -420,6 +432,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         outcome, status, error_line = exc.outcome, EXIT_KILLED, str(exc)
     except SandboxCancelledError as exc:
         outcome, status, error_line = exc.outcome, EXIT_INTERRUPTED, str(exc)
+    except SandboxLostError as exc:
+        # The node died mid-run: no outcome, but where and why (exit 125, as any failure
+        # of the infrastructure).
+        status, error_line, lost_node = EXIT_CANNOT_RUN, str(exc), exc.node
     except SandboxPreFlightError as exc:
         status, error_line = EXIT_CANNOT_RUN, str(exc)
         if exc.result is not None and not args.json:
@@ -434,6 +450,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             payload["exit_code"] = status
         else:
             payload = {"exit_code": status, "error": error_line}
+            if lost_node is not None:
+                payload["node"] = lost_node
         json.dump(payload, sys.stdout)
         sys.stdout.write("\n")
         sys.stdout.flush()
@@ -451,6 +469,16 @@ def _warn_weaker(_name: str, event: dict[str, Any]) -> None:
             file=sys.stderr,
             flush=True,
         )
+
+
+def _note_queued(_name: str, event: dict[str, Any]) -> None:
+    """One stderr line when a placing driver waits for a free slot (--driver ray)."""
+    print(
+        f"{PROG}: waiting for a free {event.get('resource', 'sandbox')} slot "
+        "(every one is taken; the wait ends at the total timeout)",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 # -- other commands -----------------------------------------------------------------------

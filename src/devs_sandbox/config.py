@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 from pydantic import (
     BaseModel,
@@ -75,7 +75,7 @@ STRICT_MECHANISMS: tuple[Mechanism, ...] = (
 )
 DEFAULT_CPU_CORES = 1.0
 
-DriverName = Literal["process", "docker", "fake"]
+DriverName = Literal["process", "docker", "fake", "ray"]
 
 
 class _Model(BaseModel):
@@ -236,11 +236,45 @@ class DockerConfig(_Model):
     workspace it lives in RAM and is charged to the memory cap."""
 
 
+# A Ray custom resource name, as `ray start --resources` takes it.
+RAY_RESOURCE_PATTERN: Final = r"^[A-Za-z_][A-Za-z0-9_.-]{0,127}$"
+
+
+class RayConfig(_Model):
+    """The ray driver: which cluster, what confines a sandbox on its node, how capacity is
+    counted. Each field decides where a sandbox's command, files and secrets go or what
+    confines them there: only an operator config should set them."""
+
+    address: Annotated[str, Field(min_length=1, max_length=512)] = "auto"
+    """Ray cluster to place sandboxes on: "auto" (the cluster this process belongs to:
+    $RAY_ADDRESS, or the one started on this host with `ray start`), "local" (start a
+    one-node Ray inside this process, to try it out), or HOST:PORT. Inside a Ray task or
+    actor the cluster it runs in is used, whatever this says."""
+
+    node_driver: Literal["process", "docker"] = "process"
+    """What confines a sandbox on its node: that node's process driver (namespaces,
+    cgroups, seccomp, tmpfs, own uid) or its docker driver. The sandbox's quotas, isolation
+    and docker settings apply on the node as they would locally; a node that cannot give
+    a promised layer refuses, as a local run would."""
+
+    slot_resource: Annotated[str, Field(pattern=RAY_RESOURCE_PATTERN)] = "devs_sandbox_slots"
+    """Ray custom resource a sandbox holds one unit of while it lives: a node holds as many
+    sandboxes as it declares (`ray start --resources '{"devs_sandbox_slots": 8}'`). When
+    every slot is taken a new sandbox waits for one, at most the total timeout."""
+
+    namespace: Annotated[str, Field(min_length=1, max_length=128)] = "devs-sandbox"
+    """Ray namespace of the host actors (one per node and nodeDriver)."""
+
+    connect_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 60.0
+    """Most seconds to connect to the cluster, and to start a node's host actor."""
+
+
 class SandboxLifecycleConfig(_Model):
     """One sandbox run: driver, timeouts, quotas, isolation. Also the file's ``sandbox``."""
 
     driver: DriverName = "process"
-    """Backend that runs the sandbox: "process" (this host) or "docker"."""
+    """Backend that runs the sandbox: "process" (this host), "docker", or "ray" (a node of
+    a Ray cluster, confined there by sandbox.ray.nodeDriver)."""
 
     sandbox_id: str | None = None
     """Fixed id for the sandbox (letters, digits, '.', '_', '-'; at most 64); null = random."""
@@ -278,6 +312,9 @@ class SandboxLifecycleConfig(_Model):
 
     docker: DockerConfig = Field(default_factory=DockerConfig)
     """Docker driver settings."""
+
+    ray: RayConfig = Field(default_factory=RayConfig)
+    """Ray driver settings."""
 
     quotas: QuotaConfig = Field(default_factory=QuotaConfig)
     """Hard limits."""
@@ -442,12 +479,12 @@ def load_config(path: Path | str | None = None, *, cwd: Path | None = None) -> D
 
 
 def override(config: SandboxLifecycleConfig, **changes: Any) -> SandboxLifecycleConfig:
-    """A copy of ``config`` with ``changes`` (snake_case; ``quotas``/``isolation``/``docker`` as
-    dicts merged into the existing ones), re-validated so an override cannot smuggle in a bad
-    value.
+    """A copy of ``config`` with ``changes`` (snake_case; ``quotas``, ``isolation``, ``docker``
+    and ``ray`` as dicts merged into the existing ones), re-validated so an override cannot
+    smuggle in a bad value.
     """
     data = config.model_dump()
-    for key in ("quotas", "isolation", "docker"):
+    for key in ("quotas", "isolation", "docker", "ray"):
         if key in changes:
             nested = changes.pop(key)
             if isinstance(nested, BaseModel):

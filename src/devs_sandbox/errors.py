@@ -22,6 +22,7 @@ are translated where they enter, with ``raise ... from exc``.
     |   +-- ProvisionError                       the sandbox could not be created
     |   +-- ImageUnavailableError                no image could be resolved or built
     |   +-- UnsupportedRuntimeError              the driver lacks the runtime a command needs
+    |   +-- SandboxLostError                     its node died or became unreachable mid-run
     +-- SandboxNotFoundError (KeyError)          unknown or already destroyed sandbox id
     +-- SessionLimitError                        the MCP server already keeps mcp.maxSessions alive
     +-- ExecTimeoutError (TimeoutError)          one exec ran past its own timeout
@@ -116,6 +117,19 @@ class UnsupportedRuntimeError(DriverError):
         super().__init__(message)
         self.runtime = runtime
         self.suggested_driver = suggested_driver
+
+
+class SandboxLostError(DriverError):
+    """The node a sandbox was placed on died or stopped answering: the sandbox is gone with
+    whatever its command was doing. ``node`` names the node, ``reason`` says what was seen;
+    what the sandbox left on the node is reaped there when a node starts again on that host.
+    """
+
+    def __init__(self, sandbox_id: str, node: str, reason: str) -> None:
+        super().__init__(f"sandbox {sandbox_id} lost with node {node}: {reason}")
+        self.sandbox_id = sandbox_id
+        self.node = node
+        self.reason = reason
 
 
 class SandboxNotFoundError(DevsSandboxError, KeyError):

@@ -41,6 +41,8 @@ class SandboxEvents:
     CLEANUP_COMPLETE: Final = "sandbox:cleanup_complete"  # {container_id, cleaned_at}
     ORPHAN_REAPED: Final = "sandbox:orphan_reaped"  # {sandbox_id, driver, removed}
     KEY_ROTATED: Final = "session_key_rotated"  # {sandbox_id}
+    # A placing driver (ray) waits for a free slot: {sandbox_id, resource, waited_s}.
+    QUEUED: Final = "sandbox:queued"
 
 
 @dataclass(frozen=True, slots=True)

@@ -537,6 +537,7 @@ class SandboxLifecycleManager:
             cancelled=sandbox.cancelled,
             preflight=preflight,
             warnings=sandbox.context.warnings,
+            node=sandbox.context.node,
         )
         if sandbox.cancelled:
             raise SandboxCancelledError(f"sandbox {sandbox.id} was cancelled", outcome)

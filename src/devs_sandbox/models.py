@@ -196,6 +196,11 @@ class SandboxContext:
     # Default layers not in effect, each "layer: why" (the operator allowed weaker isolation).
     warnings: tuple[str, ...] = ()
 
+    @property
+    def node(self) -> str | None:
+        """Where the sandbox runs, for drivers that place it on one of several machines."""
+        return self.labels.get("node")
+
 
 @dataclass(frozen=True, slots=True)
 class SandboxOutcome:
@@ -210,6 +215,7 @@ class SandboxOutcome:
     cancelled: bool = False
     preflight: tuple[ExecResult, ...] = ()
     warnings: tuple[str, ...] = ()  # default layers that were not in effect, and why
+    node: str | None = None  # where it ran, for drivers that place sandboxes (ray: node id)
 
     @property
     def exit_code(self) -> int:
@@ -249,6 +255,7 @@ class SandboxOutcome:
             "resources": {k: v for k, v in res.resources.to_json().items() if k != "wall_time_s"},
             "violation": None if self.violation is None else self.violation.to_json(),
             "warnings": list(self.warnings),
+            "node": self.node,
         }
 
 
