@@ -43,6 +43,7 @@ def _capabilities() -> dict[str, str]:
     caps["unshare"] = "" if ok else f"unshare(2) namespaces unusable: {why}"
     caps["tmpfs"] = _tmpfs_reason()
     caps["docker"] = _docker_reason()
+    caps["ray"] = _ray_reason()
     caps["cgroup_v2"] = (
         ""
         if host.cgroup.version == 2
@@ -84,9 +85,17 @@ def _docker_reason() -> str:
     return ""
 
 
+def _ray_reason() -> str:
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        return "Ray not installed (pip install -e '.[dev]')"
+    return ""
+
+
 _CAPS: dict[str, str] = {}
 # Markers whose absence on a REQUIRE_ALL host is a CI failure, not a skip.
-_REQUIRED_ON_CI = {"root", "cgroups", "bwrap", "unshare", "tmpfs", "docker"}
+_REQUIRED_ON_CI = {"root", "cgroups", "bwrap", "unshare", "tmpfs", "docker", "ray"}
 
 
 def caps() -> dict[str, str]:
@@ -96,7 +105,7 @@ def caps() -> dict[str, str]:
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    for name in ("root", "cgroups", "bwrap", "unshare", "tmpfs", "docker", "cgroup_v2"):
+    for name in ("root", "cgroups", "bwrap", "unshare", "tmpfs", "docker", "cgroup_v2", "ray"):
         if item.get_closest_marker(name) is None:
             continue
         reason = caps().get(name, "")

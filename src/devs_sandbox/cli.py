@@ -400,10 +400,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     secrets = _read_secrets(args.secret)
     store = ViolationStore(_db_path(args, file_cfg))
     manager = SandboxLifecycleManager(config=file_cfg, store=store)
+    # Our stdout carries the command's output or the --json object, nothing else: whatever
+    # a library prints during the run goes to stderr (Ray's driver prints a node's death
+    # notice on stdout).
+    stdout = sys.stdout
     streams: dict[str, Any] = {}
     if not args.json:
         streams = {
-            "on_stdout": _Stream(sys.stdout.buffer),
+            "on_stdout": _Stream(stdout.buffer),
             "on_stderr": _Stream(sys.stderr.buffer),
         }
     stdin_data: bytes | None = None
@@ -423,6 +427,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     status = 0
     error_line: str | None = None
     lost_node: str | None = None
+    sys.stdout = sys.stderr
     try:
         outcome = manager.run_in_sandbox(command, cfg, stdin=stdin_data, secrets=secrets, **streams)
         status = outcome.exit_code
@@ -443,7 +448,10 @@ def cmd_run(args: argparse.Namespace) -> int:
             if tail:
                 error_line += f" ({tail[0]})"
     finally:
-        manager.shutdown()
+        try:
+            manager.shutdown()
+        finally:
+            sys.stdout = stdout
     if args.json:
         if outcome is not None:
             payload = outcome.to_json()

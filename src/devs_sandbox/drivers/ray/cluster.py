@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 from typing import Any, Final
@@ -33,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 NODE_DEATH_CONFIRM_S: Final = 3.0  # after a broken call, how long the GCS may take to agree
 NODE_POLL_S: Final = 0.25
+PROBE_TIMEOUT_S: Final = 1.0  # a live raylet accepts a TCP connection at once
 
 _HostActor: Any = None
 _actor_lock = threading.Lock()
@@ -155,32 +157,57 @@ class Cluster:
 
     # -- loss ----------------------------------------------------------------------------
     def explain_loss(self, node_id: str, exc: BaseException | None) -> str:
-        """Why calls to ``node_id`` broke: the node's death as the GCS records it when it
-        agrees within ``NODE_DEATH_CONFIRM_S``, else what Ray said of the call."""
-        deadline = time.monotonic() + NODE_DEATH_CONFIRM_S
-        while True:
-            alive, why = node_state(node_id)
-            if not alive:
-                return f"the node died ({why})"
-            if time.monotonic() >= deadline:
-                break
-            time.sleep(NODE_POLL_S)
+        """Why calls to ``node_id`` broke, from the best witness at hand: the GCS's node
+        table if it already declared the node dead; else the node's raylet port (refused:
+        the node is down, Ray just has not noticed yet; silent: unreachable, and we give
+        the GCS ``NODE_DEATH_CONFIRM_S`` to agree); else what Ray said of the call."""
+        alive, why, address = node_state(node_id)
+        if not alive:
+            return f"the node died ({why})"
         said = _first_line(exc) if exc is not None else "no answer"
-        return f"its host actor stopped answering ({said})"
+        if address is None:
+            return f"its host actor stopped answering ({said})"
+        reach = _probe(address)
+        if reach == "refused":
+            return (
+                f"the node is down: its raylet at {address[0]}:{address[1]} refuses "
+                "connections (Ray has not declared it dead yet)"
+            )
+        if reach == "silent":
+            deadline = time.monotonic() + NODE_DEATH_CONFIRM_S
+            while time.monotonic() < deadline:
+                alive, why, _ = node_state(node_id)
+                if not alive:
+                    return f"the node died ({why})"
+                time.sleep(NODE_POLL_S)
+            return f"the node is unreachable (its raylet at {address[0]}:{address[1]} is silent)"
+        return f"its host actor died or stopped answering while the node lives ({said})"
 
 
-def node_state(node_id: str) -> tuple[bool, str]:
-    """(alive, why not) from the GCS's node table."""
+def node_state(node_id: str) -> tuple[bool, str, tuple[str, int] | None]:
+    """(alive, why not, the raylet's address) from the GCS's node table."""
     try:
         nodes = ray.nodes()
     except Exception as exc:
-        return True, f"the GCS did not answer: {exc}"
+        return True, f"the GCS did not answer: {exc}", None
     for n in nodes:
         if n.get("NodeID") == node_id:
+            address = (str(n.get("NodeManagerAddress")), int(n.get("NodeManagerPort") or 0))
             if n.get("Alive"):
-                return True, ""
-            return False, str(n.get("DeathReasonMessage") or "its raylet stopped")
-    return False, "it left the cluster"
+                return True, "", address if address[1] else None
+            return False, str(n.get("DeathReasonMessage") or "its raylet stopped"), address
+    return False, "it left the cluster", None
+
+
+def _probe(address: tuple[str, int]) -> str:
+    """ "open", "refused" (nothing listens: the raylet is gone) or "silent" (no answer)."""
+    try:
+        with socket.create_connection(address, timeout=PROBE_TIMEOUT_S):
+            return "open"
+    except ConnectionRefusedError:
+        return "refused"
+    except OSError:
+        return "silent"
 
 
 def _first_line(exc: BaseException | None) -> str:
