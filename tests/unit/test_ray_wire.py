@@ -123,7 +123,7 @@ def test_unpacking_refuses_paths_out_of_the_target(tmp_path: Path) -> None:
     assert not (tmp_path / "escaped").exists()
 
 
-# -- the host actor's class, in-process (Ray is a dev dependency) ---------------------------------------------------------
+# -- the host actor's class, in-process (Ray is a dev dependency) -----------------------
 def test_host_provisions_with_the_node_driver_and_labels_the_node() -> None:
     from devs_sandbox.drivers.ray.host import SandboxHost
 
