@@ -11,6 +11,8 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,7 +32,7 @@ from devs_sandbox.errors import WeakerIsolationError
 from devs_sandbox.events import SandboxEvents
 from devs_sandbox.store import ViolationStore
 from tests.conftest import run_cli
-from tests.ray_cluster.conftest import SLOTS, RayCluster, start_cluster, stop_cluster
+from tests.ray_cluster.conftest import SLOTS, RayCluster, start_cluster, stop_cluster, wait_for
 
 pytestmark = [
     pytest.mark.ray,
@@ -264,6 +266,43 @@ def test_secrets_and_copy_in_reach_the_node(
     assert outcome.result.stdout.text.startswith("seeded\n")
     assert token not in outcome.result.stdout.text  # delivered, then redacted on the node
     assert "[REDACTED:API_TOKEN]" in outcome.result.stdout.text
+
+
+def test_a_sandbox_whose_caller_died_is_destroyed_by_its_node(cluster: RayCluster) -> None:
+    """The caller is SIGKILLed mid-run: Ray removes its slot's placement group, and the
+    node's host actor destroys the sandbox it held (processes, cgroup, tmpfs, lease)."""
+    from devs_sandbox.leases import LeaseRegistry
+
+    sandbox_id = "sb-caller-dies-" + os.urandom(4).hex()
+    caller = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "devs_sandbox",
+            "run",
+            "--driver",
+            "ray",
+            "--ray-address",
+            cluster.address,
+            "--sandbox-id",
+            sandbox_id,
+            "--",
+            "sleep",
+            "300",
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        lease = LeaseRegistry().path_for(sandbox_id)
+        wait_for(lease.exists, what="the sandbox to exist on its node")
+    finally:
+        caller.kill()
+        caller.wait(timeout=30)
+    wait_for(lambda: not lease.exists(), what="the node to destroy the orphan", timeout_s=90)
+    assert not any(Path("/tmp").glob(f"devs-sandbox-{sandbox_id}"))
+    assert not list(Path("/sys/fs/cgroup").glob(f"*/devs-sandbox/{sandbox_id}"))
 
 
 # -- capacity --------------------------------------------------------------------------------
