@@ -23,6 +23,7 @@ import pytest
 from devs_sandbox import (
     DriverUnavailableError,
     IsolationUnavailableError,
+    QuotaExceededError,
     SandboxLifecycleConfig,
     SandboxLifecycleManager,
     SandboxTimeoutError,
@@ -175,6 +176,30 @@ def test_a_node_that_cannot_give_a_layer_says_so(
     with pytest.raises(WeakerIsolationError) as weaker:
         manager.run_in_sandbox([PY, "-c", "print(1)"], no_ns)
     assert {"pid-namespace", "mount-namespace", "net-namespace"} <= set(weaker.value.missing)
+
+
+@pytest.mark.docker
+def test_docker_as_the_node_driver(cluster: RayCluster, manager: SandboxLifecycleManager) -> None:
+    """nodeDriver docker: the node's docker driver confines the sandbox (a container), its
+    OOM kill comes back as the caller's MEMORY_EXCEEDED."""
+    import docker
+    from devs_sandbox.images import ImageRebuilder
+
+    client = docker.from_env(timeout=30)
+    try:
+        ImageRebuilder(client).ensure()  # built once per machine and recipe (~1 min)
+    finally:
+        client.close()
+    cfg = ray_config(cluster, ray={"node_driver": "docker"}, timeout_ms=120_000)
+    outcome = manager.run_in_sandbox([PY, "-c", "import os; print(os.getuid())"], cfg)
+    assert outcome.result.stdout.text == "65534\n"
+    assert {"cap-drop-all", "read-only-rootfs"} <= set(outcome.isolation)
+    assert outcome.node in cluster.node_ids
+    hog = override(cfg, quotas={"memory_bytes": 32 * 2**20})
+    with pytest.raises(QuotaExceededError) as info:
+        manager.run_in_sandbox([PY, "-c", "x = bytearray(256 * 2**20)"], hog)
+    assert info.value.violation.type == "MEMORY_EXCEEDED"
+    assert info.value.outcome is not None and info.value.outcome.exit_code == 137
 
 
 # -- the caller's contract -------------------------------------------------------------------
