@@ -48,6 +48,14 @@ from devs_sandbox.errors import (
 from devs_sandbox.events import EventBus, SandboxEvents
 from devs_sandbox.exhaustion import ResourceExhaustionHandler, SandboxManager
 from devs_sandbox.lifecycle import Sandbox, SandboxLifecycleManager
+from devs_sandbox.lifecycle.sampling import PsutilProcessStats, ScriptedProcessStats
+from devs_sandbox.lifecycle.timeout import (
+    SandboxTimeoutEnforcer,
+    awith_execution_timeout,
+    default_timeout_enforcer,
+    with_execution_timeout,
+)
+from devs_sandbox.lifecycle.watchdog import ResourceDrainDetector
 from devs_sandbox.models import (
     CapturedStream,
     DetectionRule,
@@ -60,21 +68,12 @@ from devs_sandbox.models import (
     Violation,
     ViolationType,
 )
-from devs_sandbox.monitor.drain import (
+from devs_sandbox.monitors.drain import (
     FilesystemQuotaConfig,
     ProcessQuotaConfig,
     QuotaViolation,
-    ResourceDrainDetector,
     check_filesystem_quota,
     check_process_quota,
-)
-from devs_sandbox.monitor.shell import (
-    MonitoredShellOptions,
-    PsutilProcessStats,
-    ScriptedProcessStats,
-    ShellResult,
-    run_shell_monitored,
-    run_shell_monitored_sync,
 )
 from devs_sandbox.runtimes import RuntimeCompatibilityChecker
 from devs_sandbox.scheduler import FakeScheduler, ThreadScheduler
@@ -84,13 +83,13 @@ from devs_sandbox.security.session_keys import (
     SessionKeyManager,
     session_key_manager,
 )
-from devs_sandbox.sessions import SandboxSessions
 from devs_sandbox.store import ViolationStore
-from devs_sandbox.timeout import (
-    SandboxTimeoutEnforcer,
-    awith_execution_timeout,
-    default_timeout_enforcer,
-    with_execution_timeout,
+from devs_sandbox.tools.sessions import SandboxSessions
+from devs_sandbox.tools.shell import (
+    MonitoredShellOptions,
+    ShellResult,
+    run_shell_monitored,
+    run_shell_monitored_sync,
 )
 
 __version__ = "0.1.0"

@@ -29,6 +29,7 @@ from devs_sandbox.config import (
     SandboxLifecycleConfig,
     default_db_path,
     load_config,
+    ms_from_s,
     override,
     render_schema,
 )
@@ -276,9 +277,9 @@ def _run_config(args: argparse.Namespace, file_cfg: DevsConfig) -> SandboxLifecy
     if args.image:
         changes["image"] = args.image
     if args.timeout is not None:
-        changes["timeout_ms"] = max(1, round(args.timeout * 1000))
+        changes["timeout_ms"] = ms_from_s(args.timeout)
     if args.idle_timeout is not None:
-        changes["idle_timeout_ms"] = max(1, round(args.idle_timeout * 1000))
+        changes["idle_timeout_ms"] = ms_from_s(args.idle_timeout)
     if args.preflight:
         changes["preflight_commands"] = tuple(args.preflight)
     if args.env:

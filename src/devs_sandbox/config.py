@@ -13,6 +13,7 @@ derive a run's config from the file's with :func:`override`, which re-validates.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -78,6 +79,12 @@ DEFAULT_CPU_CORES = 1.0
 DriverName = Literal["process", "docker", "fake"]
 
 
+def ms_from_s(seconds: float) -> int:
+    """Seconds (the Python API's unit) as the config's whole milliseconds: rounded up, so a
+    budget is never shortened, and at least 1."""
+    return max(1, math.ceil(seconds * 1000))
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(
         frozen=True,
@@ -140,6 +147,14 @@ class QuotaConfig(_Model):
 
     depth_scan_budget_ms: Annotated[StrictInt, Field(ge=1, le=60_000)] = 200
     """Most time one tick may spend walking the workspace for depth and file sizes."""
+
+    @property
+    def poll_interval_s(self) -> float:
+        return self.poll_interval_ms / 1000
+
+    @property
+    def depth_scan_budget_s(self) -> float:
+        return self.depth_scan_budget_ms / 1000
 
 
 class IsolationConfig(_Model):
@@ -284,6 +299,19 @@ class SandboxLifecycleConfig(_Model):
 
     isolation: IsolationConfig = Field(default_factory=IsolationConfig)
     """Host isolation mechanisms."""
+
+    # The Python API speaks seconds; the file speaks the specification's milliseconds.
+    @property
+    def timeout_s(self) -> float:
+        return self.timeout_ms / 1000
+
+    @property
+    def idle_timeout_s(self) -> float | None:
+        return None if self.idle_timeout_ms is None else self.idle_timeout_ms / 1000
+
+    @property
+    def preflight_timeout_s(self) -> float:
+        return self.preflight_timeout_ms / 1000
 
     @field_validator("sandbox_id")
     @classmethod

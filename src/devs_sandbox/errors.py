@@ -145,9 +145,9 @@ class SessionLimitError(DevsSandboxError):
 class ExecTimeoutError(DevsSandboxError, TimeoutError):
     """``with_execution_timeout`` gave up on one call; the call's work was killed."""
 
-    def __init__(self, timeout_ms: int, result: ExecResult | None = None) -> None:
-        super().__init__(f"execution exceeded {timeout_ms} ms")
-        self.timeout_ms = timeout_ms
+    def __init__(self, timeout_s: float, result: ExecResult | None = None) -> None:
+        super().__init__(f"execution exceeded {timeout_s:g} s")
+        self.timeout_s = timeout_s
         self.result = result
 
 
@@ -212,19 +212,19 @@ class SandboxTimeoutError(SandboxRunError, TimeoutError):
     """The run's total timeout fired; every process of the sandbox was SIGKILLed."""
 
     def __init__(
-        self, timeout_ms: int, outcome: SandboxOutcome | None = None, *, idle: bool = False
+        self, timeout_s: float, outcome: SandboxOutcome | None = None, *, idle: bool = False
     ) -> None:
         if idle:
             message = (
-                f"sandbox killed after {timeout_ms} ms without output "
-                "(raise sandbox.idleTimeoutMs or --idle-timeout)"
+                f"sandbox killed after {timeout_s:g} s without output "
+                "(raise --idle-timeout or sandbox.idleTimeoutMs)"
             )
         else:
             message = (
-                f"sandbox timed out after {timeout_ms} ms (raise sandbox.timeoutMs or --timeout)"
+                f"sandbox timed out after {timeout_s:g} s (raise --timeout or sandbox.timeoutMs)"
             )
         super().__init__(message, outcome)
-        self.timeout_ms = timeout_ms
+        self.timeout_s = timeout_s
         self.idle = idle
 
 

@@ -51,7 +51,6 @@ from mcp.server.lowlevel import Server
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
 from devs_sandbox import __version__
-from devs_sandbox.aio import run_blocking
 from devs_sandbox.base import ProcessStatsSource, Scheduler
 from devs_sandbox.config import (
     MAX_CPU_SUSTAINED_MS,
@@ -74,15 +73,12 @@ from devs_sandbox.errors import (
     SessionLimitError,
 )
 from devs_sandbox.lifecycle import SandboxLifecycleManager
+from devs_sandbox.lifecycle.aio import run_blocking
 from devs_sandbox.models import SANDBOX_ID_PATTERN, ExecResult
-from devs_sandbox.monitor.shell import (
-    MonitoredShellOptions,
-    ShellResult,
-    cpu_busy_threshold,
-    run_shell_monitored,
-)
-from devs_sandbox.sessions import SandboxSessions
+from devs_sandbox.monitors.usage import cpu_busy_threshold
 from devs_sandbox.store import ViolationStore
+from devs_sandbox.tools.sessions import SandboxSessions
+from devs_sandbox.tools.shell import MonitoredShellOptions, ShellResult, run_shell_monitored
 
 logger = logging.getLogger(__name__)
 
@@ -306,7 +302,7 @@ def _failure_for(exc: BaseException, tool: str, args: BaseModel | None) -> ToolC
             },
         )
     if isinstance(exc, SandboxTimeoutError | ExecTimeoutError):
-        seconds = exc.timeout_ms / 1000
+        seconds = exc.timeout_s
         if isinstance(exc, ExecTimeoutError):
             result = exc.result
         else:

@@ -14,7 +14,7 @@ from devs_sandbox.errors import ConfigError, QuotaExceededError
 from devs_sandbox.events import SandboxEvents
 from devs_sandbox.lifecycle import SandboxLifecycleManager
 from devs_sandbox.models import ViolationType
-from devs_sandbox.monitor.drain import QuotaViolation
+from devs_sandbox.monitors.drain import QuotaViolation
 from devs_sandbox.store import ViolationStore
 from tests.integration.helpers import config
 

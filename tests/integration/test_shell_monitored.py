@@ -19,14 +19,14 @@ import psutil
 import pytest
 
 from devs_sandbox.errors import ResourceLimitExceededError, SandboxTimeoutError
-from devs_sandbox.monitor.shell import (
+from devs_sandbox.lifecycle.sampling import PsutilProcessStats
+from devs_sandbox.monitors.usage import cpu_busy_threshold
+from devs_sandbox.store import ViolationStore
+from devs_sandbox.tools.shell import (
     MonitoredShellOptions,
-    PsutilProcessStats,
-    cpu_busy_threshold,
     run_shell_monitored,
     run_shell_monitored_sync,
 )
-from devs_sandbox.store import ViolationStore
 from tests.integration.helpers import config, manager, processes_with, wait_for
 
 pytestmark = pytest.mark.integration

@@ -128,7 +128,7 @@ def test_total_timeout_kills_raises_and_destroys() -> None:
         m.run_in_sandbox(["sleep"], cfg(timeout_ms=100))
     assert time.monotonic() - start < 10
     sid = driver.provisioned[0]
-    assert events == [{"sandbox_id": sid, "timeout_ms": 100}]
+    assert events == [{"sandbox_id": sid, "timeout_s": 0.1}]
     assert info.value.outcome is not None and info.value.outcome.exit_code == 124
     assert isinstance(info.value, TimeoutError)
     assert driver.destroyed == [sid]

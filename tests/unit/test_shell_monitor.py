@@ -29,22 +29,20 @@ from devs_sandbox.errors import (
     SandboxTimeoutError,
 )
 from devs_sandbox.lifecycle import SandboxLifecycleManager
+from devs_sandbox.lifecycle.sampling import ScriptedProcessStats
+from devs_sandbox.lifecycle.timeout import SandboxTimeoutEnforcer
+from devs_sandbox.lifecycle.watchdog import ShellMonitor
 from devs_sandbox.models import ExecResult, TreeSample
-from devs_sandbox.monitor.shell import (
-    LimitBreach,
+from devs_sandbox.monitors.usage import LimitBreach, ResourcePolicy, cpu_busy_threshold
+from devs_sandbox.scheduler import FakeScheduler
+from devs_sandbox.store import ViolationStore
+from devs_sandbox.tools.shell import (
     MonitoredShellOptions,
-    ResourcePolicy,
-    ScriptedProcessStats,
-    ShellMonitor,
     ShellResult,
-    cpu_busy_threshold,
     monitored_exec,
     run_shell_monitored,
     run_shell_monitored_sync,
 )
-from devs_sandbox.scheduler import FakeScheduler
-from devs_sandbox.store import ViolationStore
-from devs_sandbox.timeout import SandboxTimeoutEnforcer
 
 pytestmark = pytest.mark.unit
 PID = 4242
@@ -303,7 +301,7 @@ def test_a_failing_kill_is_logged_and_sampling_still_stops(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     mon, stats, killer, sched = loop([PRIME, idle(rss=1 << 40)], fail_kill=True)
-    with caplog.at_level(logging.ERROR, logger="devs_sandbox.monitor.shell"):
+    with caplog.at_level(logging.ERROR, logger="devs_sandbox.lifecycle.watchdog"):
         mon.start(PID)
         sched.advance(5.0)
     assert killer.kills == 1 and len(stats.calls) == 2
@@ -431,7 +429,7 @@ def test_a_driver_without_pids_runs_unmonitored_and_says_so(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     manager, _driver, sched, stats = setup([PRIME], seconds=2, driver_cls=FakeDriver)
-    with caplog.at_level(logging.WARNING, logger="devs_sandbox.monitor.shell"):
+    with caplog.at_level(logging.WARNING, logger="devs_sandbox.tools.shell"):
         result = run_shell_monitored_sync(
             "x", OPTS, manager=manager, config=CFG, stats=stats, scheduler=sched
         )
@@ -446,7 +444,7 @@ def test_timeout_s_is_the_sandboxs_total_timeout() -> None:
         run_shell_monitored_sync(
             "sleep 60", opts, manager=manager, config=CFG, stats=stats, scheduler=sched
         )
-    assert err.value.timeout_ms == 4_500
+    assert err.value.timeout_s == 4.5
     assert err.value.outcome is not None and err.value.outcome.result.exit_code == 137
     assert len(driver.destroyed) == 1 and sched.pending() == 0
 
