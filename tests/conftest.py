@@ -23,6 +23,10 @@ _SESSION_DIR = Path(tempfile.mkdtemp(prefix="devs-test-session."))
 # Every CLI subprocess and every default manager of the test run writes here.
 os.environ["DEVS_SANDBOX_DB"] = str(_SESSION_DIR / "violations.db")
 os.environ.setdefault("XDG_DATA_HOME", str(_SESSION_DIR / "xdg"))
+# Hermetic configuration: neither this machine's nor its user's devs-sandbox config applies.
+os.environ["XDG_CONFIG_HOME"] = str(_SESSION_DIR / "xdg-config")
+os.environ["DEVS_SANDBOX_SYSTEM_CONFIG"] = str(_SESSION_DIR / "no-system-config.json")
+os.environ.pop("DEVS_SANDBOX_CONFIG", None)
 
 REQUIRE_ALL = os.environ.get("DEVS_SANDBOX_REQUIRE_ALL") == "1"
 ROOT = Path(__file__).resolve().parents[1]

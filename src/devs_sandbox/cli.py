@@ -41,6 +41,7 @@ from devs_sandbox.errors import (
     SandboxPreFlightError,
     SandboxTimeoutError,
     SecretError,
+    UntrustedConfigError,
 )
 from devs_sandbox.events import SandboxEvents
 from devs_sandbox.models import SandboxOutcome, validate_sandbox_id
@@ -261,8 +262,15 @@ def build_parser() -> _Parser:
     cfg = sub.add_parser("config", help="show the configuration or its JSON Schema")
     cfg_sub = cfg.add_subparsers(dest="config_cmd", metavar="ACTION", parser_class=_Parser)
     cfg_sub.add_parser("schema", help="print the JSON Schema of devs.config.json")
-    show = cfg_sub.add_parser("show", help="print the effective configuration")
+    show = cfg_sub.add_parser(
+        "show",
+        help="print the effective configuration and where each value came from",
+        description="Every key's effective value and its source: default, /etc/devs-sandbox/"
+        "config.json, the user's config, --config / DEVS_SANDBOX_CONFIG, or ./devs.config.json "
+        "(which may only tighten).",
+    )
     show.add_argument("--config", type=Path, metavar="PATH")
+    show.add_argument("--json", action="store_true", help="{config, sources} as JSON")
     _add_image_parser(sub)
     return parser
 
@@ -521,9 +529,24 @@ def cmd_config(args: argparse.Namespace) -> int:
         sys.stdout.write(render_schema())
         return 0
     if args.config_cmd == "show":
-        cfg = load_config(args.config)
-        json.dump(cfg.model_dump(mode="json", by_alias=True), sys.stdout, indent=2)
-        sys.stdout.write("\n")
+        from devs_sandbox.config_trust import describe, load_layered_config  # noqa: PLC0415
+
+        loaded = load_layered_config(args.config)
+        rows = describe(loaded)
+        if args.json:
+            json.dump(
+                {
+                    "config": loaded.config.model_dump(mode="json", by_alias=True),
+                    "sources": {key: source for key, _value, source in rows},
+                },
+                sys.stdout,
+                indent=2,
+            )
+            sys.stdout.write("\n")
+            return 0
+        width = max(len(key) for key, _v, _s in rows)
+        for key, value, source in rows:
+            print(f"{key:<{width}} = {json.dumps(value)}  ({source})")
         return 0
     raise UsageError(f"{PROG} config: choose 'schema' or 'show'", EXIT_USAGE)
 
@@ -705,7 +728,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.status
     except ConfigError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
-        return EXIT_CANNOT_RUN if args.cmd == "run" else EXIT_USAGE
+        # A working directory's config trying to weaken the sandbox: nothing may run.
+        refused = args.cmd == "run" or isinstance(exc, UntrustedConfigError)
+        return EXIT_CANNOT_RUN if refused else EXIT_USAGE
     except DevsSandboxError as exc:
         logger.debug("failure", exc_info=True)
         print(f"{PROG}: {exc}", file=sys.stderr)

@@ -443,15 +443,18 @@ def parse_config(data: Any, *, source: str = "config") -> DevsConfig:
 
 
 def load_config(path: Path | str | None = None, *, cwd: Path | None = None) -> DevsConfig:
-    """Load ``path``, or ``./devs.config.json`` if it exists, or the defaults.
-
-    An explicit path that does not exist is an error; a missing implicit file is not.
+    """The effective configuration: the host's and the user's files, then ``path`` (or
+    ``$DEVS_SANDBOX_CONFIG``), or else ``./devs.config.json``, which may only tighten (see
+    ``config_trust``: a file found in the working directory is the workload's, not the
+    operator's). An explicit path that does not exist is an error; the others are optional.
     """
-    if path is None:
-        candidate = (cwd or Path.cwd()) / CONFIG_FILE_NAME
-        if not candidate.is_file():
-            return DevsConfig()
-        path = candidate
+    from devs_sandbox.config_trust import load_layered_config  # noqa: PLC0415 - it imports us
+
+    return load_layered_config(path, cwd=cwd).config
+
+
+def read_config_file(path: Path | str) -> Any:
+    """The decoded JSON of one config file; ``ConfigError`` naming the file otherwise."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -466,7 +469,7 @@ def load_config(path: Path | str | None = None, *, cwd: Path | None = None) -> D
             f"{path}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}",
             key="(root)",
         ) from None
-    return parse_config(data, source=str(path))
+    return data
 
 
 def override(config: SandboxLifecycleConfig, **changes: Any) -> SandboxLifecycleConfig:

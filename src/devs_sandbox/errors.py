@@ -15,6 +15,7 @@ are translated where they enter, with ``raise ... from exc``.
     +-- ConfigError (ValueError)                 bad config file, option or argument
     |   +-- InvalidSandboxIdError
     |   +-- SecurityConfigError                  a hardening setting was weakened
+    |   +-- UntrustedConfigError                 a working directory's config tried to weaken
     +-- IsolationUnavailableError                strict mode: a required mechanism is missing
     |   +-- WeakerIsolationError                 a layer the defaults promise is missing
     +-- DriverError                              the driver's infrastructure failed
@@ -39,6 +40,7 @@ are translated where they enter, with ``raise ... from exc``.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -63,6 +65,15 @@ class InvalidSandboxIdError(ConfigError):
 
 class SecurityConfigError(ConfigError):
     """A container host config that drops one of the mandatory hardening settings."""
+
+
+class UntrustedConfigError(ConfigError):
+    """A config file found implicitly in the working directory (the workload's, not the
+    operator's) set a key that would weaken the sandbox; ``key`` names it, ``path`` the file."""
+
+    def __init__(self, message: str, *, key: str, path: Path) -> None:
+        super().__init__(message, key=key)
+        self.path = path
 
 
 class IsolationUnavailableError(DevsSandboxError):

@@ -25,7 +25,7 @@ from devs_sandbox.errors import (
     SandboxTimeoutError,
 )
 from devs_sandbox.store import ViolationStore
-from tests.integration.helpers import LAYERS, config, manager, processes_with, wait_for
+from tests.integration.helpers import LAUNCHERS, LAYERS, config, manager, processes_with, wait_for
 
 pytestmark = pytest.mark.integration
 PY = "/usr/bin/python3" if Path("/usr/bin/python3").exists() else "python3"
@@ -60,11 +60,22 @@ def test_full_isolation_is_in_effect_as_root() -> None:
     assert any(m.startswith("cgroup-v") for m in out.isolation)
 
 
-def test_exit_status_and_signals_pass_through() -> None:
+@pytest.mark.parametrize(
+    "iso",
+    [
+        pytest.param({}, id="default"),
+        pytest.param(LAUNCHERS["bwrap"], id="bwrap", marks=pytest.mark.bwrap),
+        pytest.param(LAUNCHERS["unshare"], id="unshare", marks=pytest.mark.unshare),
+    ],
+)
+def test_exit_status_and_signals_pass_through(iso: dict[str, Any]) -> None:
     m = manager()
-    assert m.run_in_sandbox("exit 3", config()).exit_code == 3
-    killed = m.run_in_sandbox("kill -TERM $$", config())
+    assert m.run_in_sandbox("exit 3", config(isolation=iso)).exit_code == 3
+    # The command is never the pid namespace's init, which would ignore its own SIGTERM.
+    killed = m.run_in_sandbox("kill -TERM $$", config(isolation=iso))
     assert killed.exit_code == 128 + 15 and killed.result.signal == 15
+    missing = m.run_in_sandbox(["devs-no-such-command"], config(isolation=iso))
+    assert missing.exit_code != 0
 
 
 def test_host_environment_is_not_inherited(monkeypatch: pytest.MonkeyPatch) -> None:

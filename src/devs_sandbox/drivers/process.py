@@ -1054,9 +1054,10 @@ class ProcessDriver:
             if c.pids_peak is not None:  # pids.peak (Linux 6.1+): exact, not sampled
                 box.peak_processes = max(box.peak_processes, c.pids_peak)
         if rusage is not None:
-            # Through bwrap's pid namespace, what its init reaps never reaches our rusage:
-            # an honest "unknown" beats a number that misses the whole task.
-            if cpu is None and box.launcher is None:
+            # Without a cgroup: the leader's rusage, which holds every process that was
+            # waited for up its tree (the namespace's init waits for the command, and the
+            # launcher for the init): a lower bound when orphans were never reaped.
+            if cpu is None:
                 cpu = rusage.ru_utime + rusage.ru_stime
             if peak_mem is None:
                 peak_mem = rusage.ru_maxrss * 1024  # Linux reports KiB

@@ -56,14 +56,13 @@ def can_mount() -> tuple[bool, str]:
         return False, f"libc not loadable: {exc}"
     scratch = Path(tempfile.mkdtemp(prefix="devs-mount-probe-"))
     try:
-        mount_tmpfs(scratch, TmpfsOptions(64 * 1024, 16, 0, 0))
-    except OSError as exc:
-        return False, f"mounting a tmpfs failed: {exc.strerror} (root without CAP_SYS_ADMIN?)"
-    finally:
         try:
-            unmount(scratch)
-        finally:
-            scratch.rmdir()
+            mount_tmpfs(scratch, TmpfsOptions(64 * 1024, 16, 0, 0))
+        except OSError as exc:
+            return False, f"mounting a tmpfs failed: {exc.strerror} (root without CAP_SYS_ADMIN?)"
+        unmount(scratch)
+    finally:
+        scratch.rmdir()
     return True, ""
 
 
