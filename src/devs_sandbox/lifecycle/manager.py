@@ -34,7 +34,6 @@ from devs_sandbox.errors import (
     UnsupportedRuntimeError,
 )
 from devs_sandbox.events import EventBus, SandboxEvents
-from devs_sandbox.lifecycle.aio import run_blocking
 from devs_sandbox.lifecycle.sandbox import Sandbox
 from devs_sandbox.lifecycle.timeout import SandboxTimeoutEnforcer
 from devs_sandbox.lifecycle.watchdog import ResourceDrainDetector
@@ -464,6 +463,8 @@ class SandboxLifecycleManager:
             cfg = override(cfg, sandbox_id=new_sandbox_id())
         sandbox_id = cfg.sandbox_id
         assert sandbox_id is not None
+        from devs_sandbox.lifecycle.aio import run_blocking  # noqa: PLC0415 - asyncio, lazily
+
         return await run_blocking(
             lambda: self.run_in_sandbox(task, cfg, **kwargs),
             on_cancel=lambda: self.cancel(sandbox_id),
