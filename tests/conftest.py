@@ -27,6 +27,9 @@ os.environ.setdefault("XDG_DATA_HOME", str(_SESSION_DIR / "xdg"))
 os.environ["XDG_CONFIG_HOME"] = str(_SESSION_DIR / "xdg-config")
 os.environ["DEVS_SANDBOX_SYSTEM_CONFIG"] = str(_SESSION_DIR / "no-system-config.json")
 os.environ.pop("DEVS_SANDBOX_CONFIG", None)
+# CLI tests run the command in its own process; the local server's path is tested on its
+# own (tests/integration/test_cli_server.py), which also stops the servers it starts.
+os.environ["DEVS_SANDBOX_DAEMON"] = "0"
 
 REQUIRE_ALL = os.environ.get("DEVS_SANDBOX_REQUIRE_ALL") == "1"
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,17 +9,14 @@ Public API (everything else is importable but not promised)::
     print(outcome.exit_code, outcome.result.stdout.text)
 """
 
-from __future__ import annotations
-
-import importlib
-from typing import TYPE_CHECKING, Any
-
+# Public name -> the module defining it, resolved on first access (PEP 562): importing
+# `devs_sandbox` or one of its modules (the CLI's entry point imports one on every call)
+# costs next to nothing; the Docker SDK, psutil, asyncio, pydantic and the MCP stack load
+# when something needs them. No import here at all, not even typing: type checkers read
+# the names from __init__.pyi.
 __version__ = "0.1.0"
 
-# Public name -> the module defining it. Resolved on first access (PEP 562), so that
-# `import devs_sandbox` (and the CLI, which imports a submodule of it) pays only for what
-# it uses: the Docker SDK, psutil, asyncio and the MCP stack load when something needs them.
-_EXPORTS: dict[str, str] = {
+_EXPORTS = {
     "CapturedStream": "devs_sandbox.models",
     "ConfigError": "devs_sandbox.errors",
     "DetectionRule": "devs_sandbox.models",
@@ -96,98 +93,20 @@ _EXPORTS: dict[str, str] = {
 }
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name):  # type: ignore[no-untyped-def]
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'devs_sandbox' has no attribute {name!r}")
+    import importlib  # noqa: PLC0415
+
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value  # the next access is a plain lookup
     return value
 
 
-def __dir__() -> list[str]:
+def __dir__():  # type: ignore[no-untyped-def]
     return sorted(set(globals()) | set(_EXPORTS))
 
-
-if TYPE_CHECKING:  # the names as static imports, for type checkers and IDEs
-    from devs_sandbox.config import (
-        DevsConfig,
-        DockerConfig,
-        IsolationConfig,
-        QuotaConfig,
-        SandboxLifecycleConfig,
-        load_config,
-        override,
-    )
-    from devs_sandbox.drivers.fake import FakeDriver
-    from devs_sandbox.drivers.process import ProcessDriver
-    from devs_sandbox.errors import (
-        ConfigError,
-        DevsSandboxError,
-        DiskQuotaExceededError,
-        DriverError,
-        DriverUnavailableError,
-        ExecTimeoutError,
-        ImageUnavailableError,
-        InvalidSandboxIdError,
-        IsolationUnavailableError,
-        ProvisionError,
-        QuotaExceededError,
-        ResourceLimitExceededError,
-        SandboxCancelledError,
-        SandboxCommandError,
-        SandboxNotFoundError,
-        SandboxPreFlightError,
-        SandboxRunError,
-        SandboxTimeoutError,
-        SecretError,
-        SecurityConfigError,
-        SessionLimitError,
-        StoreError,
-        UnsupportedRuntimeError,
-    )
-    from devs_sandbox.events import EventBus, SandboxEvents
-    from devs_sandbox.exhaustion import ResourceExhaustionHandler, SandboxManager
-    from devs_sandbox.lifecycle import Sandbox, SandboxLifecycleManager
-    from devs_sandbox.lifecycle.sampling import PsutilProcessStats, ScriptedProcessStats
-    from devs_sandbox.lifecycle.timeout import (
-        SandboxTimeoutEnforcer,
-        awith_execution_timeout,
-        default_timeout_enforcer,
-        with_execution_timeout,
-    )
-    from devs_sandbox.lifecycle.watchdog import ResourceDrainDetector
-    from devs_sandbox.models import (
-        CapturedStream,
-        DetectionRule,
-        ExecResult,
-        ResourceUsage,
-        SandboxContext,
-        SandboxMetrics,
-        SandboxOutcome,
-        TreeSample,
-        Violation,
-        ViolationType,
-    )
-    from devs_sandbox.monitors.drain import (
-        FilesystemQuotaConfig,
-        ProcessQuotaConfig,
-        QuotaViolation,
-        check_filesystem_quota,
-        check_process_quota,
-    )
-    from devs_sandbox.runtimes import RuntimeCompatibilityChecker
-    from devs_sandbox.scheduler import FakeScheduler, ThreadScheduler
-    from devs_sandbox.security.environment import EnvironmentSanitizer
-    from devs_sandbox.security.session_keys import Redactor, SessionKeyManager, session_key_manager
-    from devs_sandbox.store import ViolationStore
-    from devs_sandbox.tools.sessions import SandboxSessions
-    from devs_sandbox.tools.shell import (
-        MonitoredShellOptions,
-        ShellResult,
-        run_shell_monitored,
-        run_shell_monitored_sync,
-    )
 
 __all__ = [
     "CapturedStream",

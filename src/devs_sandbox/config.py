@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -504,10 +505,13 @@ def render_schema() -> str:
     return json.dumps(config_json_schema(), indent=2, sort_keys=True) + "\n"
 
 
-def default_db_path() -> Path:
-    """$DEVS_SANDBOX_DB, else the XDG data directory."""
-    env = os.environ.get("DEVS_SANDBOX_DB")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+def default_db_path(env: Mapping[str, str] | None = None) -> Path:
+    """$DEVS_SANDBOX_DB, else the XDG data directory (of ``env``, default ours)."""
+    env = os.environ if env is None else env
+    explicit = env.get("DEVS_SANDBOX_DB")
+    if explicit:
+        return Path(explicit)
+    base = env.get("XDG_DATA_HOME") or str(
+        Path(env.get("HOME") or Path.home()) / ".local" / "share"
+    )
     return Path(base) / "devs-sandbox" / "devs.db"

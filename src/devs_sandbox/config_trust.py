@@ -244,7 +244,7 @@ def load_layered_config(
     implicit = (cwd or Path.cwd()) / CONFIG_FILE_NAME
     if chosen is not None or not implicit.is_file():
         return LoadedConfig(operator, sources)
-    label = f"./{CONFIG_FILE_NAME}" if cwd is None else str(implicit)
+    label = str(implicit.absolute())  # absolute: an MCP server's log says which project
     data = read_config_file(implicit)
     parse_config(data, source=label)
     effective = parse_config(_deep_merge(trusted, data, leaves=leaves), source=label)

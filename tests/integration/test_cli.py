@@ -216,7 +216,7 @@ def test_config_schema_and_show(tmp_path: Path) -> None:
     (tmp_path / "devs.config.json").write_text(json.dumps({"sandbox": {"timeoutMs": 1234}}))
     shown = json.loads(run_cli("config", "show", "--json", cwd=tmp_path).stdout)
     assert shown["config"]["sandbox"]["timeoutMs"] == 1234
-    assert shown["sources"]["sandbox.timeoutMs"] == "./devs.config.json"
+    assert shown["sources"]["sandbox.timeoutMs"].endswith("/devs.config.json")
     assert shown["sources"]["sandbox.quotas.memoryBytes"] == "default"
     assert shown["config"]["sandbox"]["quotas"]["fileCountLimit"] == 10_000
 

@@ -90,7 +90,7 @@ def test_config_show_names_each_values_source(tmp_path: Path) -> None:
     )
     assert str(128 << 20) in line and "devs.config.json" in line
     shown = json.loads(run_cli("config", "show", "--json", cwd=repo).stdout)
-    assert shown["sources"]["sandbox.quotas.memoryBytes"] == "./devs.config.json"
+    assert shown["sources"]["sandbox.quotas.memoryBytes"].endswith("/devs.config.json")
     assert shown["sources"]["sandbox.timeoutMs"] == "default"
     bad = run_cli("config", "show", cwd=repo_with(tmp_path / "x", {"sandbox": {"network": True}}))
     assert bad.returncode == 125 and "sandbox.network" in bad.stderr

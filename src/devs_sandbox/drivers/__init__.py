@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from devs_sandbox.base import Emit, SandboxDriver
@@ -19,6 +20,7 @@ def create_driver(
     *,
     emit: Emit | None = None,
     sanitizer: EnvironmentSanitizer | None = None,
+    host_env: Mapping[str, str] | None = None,
 ) -> SandboxDriver:
     """Instantiate a driver by name with the services the lifecycle shares with every
     driver: ``emit`` for facts that arrive on their own (an engine's OOM event) and the
@@ -26,7 +28,7 @@ def create_driver(
     if name == "process":
         from devs_sandbox.drivers.process import ProcessDriver  # noqa: PLC0415
 
-        return ProcessDriver(emit=emit, sanitizer=sanitizer)
+        return ProcessDriver(emit=emit, sanitizer=sanitizer, host_env=host_env)
     if name == "docker":
         # Imported by name: the Docker SDK is an optional dependency. The engine's own
         # tools get their environment from the sanitizer's wider rule, not this one.

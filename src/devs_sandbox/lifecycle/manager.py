@@ -87,7 +87,10 @@ class SandboxLifecycleManager:
         detector: ResourceDrainDetector | None = None,
         reap_orphans: bool = True,
         key_manager: SessionKeyManager | None = None,
+        host_env: Mapping[str, str] | None = None,
     ) -> None:
+        """``host_env``: the environment sandboxes may take harmless variables from
+        (through the sanitizer); default this process's."""
         self.config = config or DevsConfig()
         self.bus = bus or EventBus()
         if store == "default":
@@ -109,6 +112,7 @@ class SandboxLifecycleManager:
         self.keys = key_manager or session_key_manager
         env_cfg = self.config.environment
         self.sanitizer = EnvironmentSanitizer(env_cfg.extra_allow, env_cfg.extra_deny)
+        self._host_env = host_env
         self._reap = reap_orphans
         self._reaped: set[str] = set()
         self._live: dict[str, Sandbox] = {}
@@ -121,7 +125,12 @@ class SandboxLifecycleManager:
         with self._lock:
             driver = self._drivers.get(config.driver)
             if driver is None:
-                driver = create_driver(config.driver, emit=self.bus.emit, sanitizer=self.sanitizer)
+                driver = create_driver(
+                    config.driver,
+                    emit=self.bus.emit,
+                    sanitizer=self.sanitizer,
+                    host_env=self._host_env,
+                )
                 self._drivers[config.driver] = driver
         return driver
 
