@@ -30,6 +30,8 @@ os.environ.pop("DEVS_SANDBOX_CONFIG", None)
 # CLI tests run the command in its own process; the local server's path is tested on its
 # own (tests/integration/test_cli_server.py), which also stops the servers it starts.
 os.environ["DEVS_SANDBOX_DAEMON"] = "0"
+# The host probes' verdicts: probed afresh once per test run, shared by its subprocesses.
+os.environ["DEVS_SANDBOX_PROBE_CACHE"] = str(_SESSION_DIR / "probe-cache")
 
 REQUIRE_ALL = os.environ.get("DEVS_SANDBOX_REQUIRE_ALL") == "1"
 ROOT = Path(__file__).resolve().parents[1]

@@ -92,7 +92,6 @@ class _Model(BaseModel):
         extra="forbid",
         alias_generator=to_camel,
         populate_by_name=True,
-        use_attribute_docstrings=True,
         validate_default=True,
     )
 
@@ -493,9 +492,46 @@ def override(config: SandboxLifecycleConfig, **changes: Any) -> SandboxLifecycle
         raise ConfigError(msg, key=bad_key) from None
 
 
+def _attribute_docstrings() -> dict[str, dict[str, str]]:
+    """Each model's fields' docstrings (class name -> field -> text), read from this module's
+    source with ``ast``: what pydantic's ``use_attribute_docstrings`` would do, but only when
+    the schema is generated, not on every import (it cost ~35 ms of each CLI start)."""
+    import ast  # noqa: PLC0415 - schema generation only
+    import inspect  # noqa: PLC0415
+
+    tree = ast.parse(Path(__file__).read_text(encoding="utf-8"))
+    docs: dict[str, dict[str, str]] = {}
+    for cls in tree.body:
+        if not isinstance(cls, ast.ClassDef):
+            continue
+        fields: dict[str, str] = {}
+        for prev, node in zip(cls.body, cls.body[1:], strict=False):
+            if (
+                isinstance(prev, ast.AnnAssign)
+                and isinstance(prev.target, ast.Name)
+                and isinstance(node, ast.Expr)
+                and isinstance(node.value, ast.Constant)
+                and isinstance(node.value.value, str)
+            ):
+                fields[prev.target.id] = inspect.cleandoc(node.value.value)
+        docs[cls.name] = fields
+    return docs
+
+
 def config_json_schema() -> dict[str, Any]:
     """The JSON Schema of ``devs.config.json``, generated from the models (never hand-edited)."""
     schema = DevsConfig.model_json_schema(by_alias=True, mode="validation")
+    docs = _attribute_docstrings()
+    for name, definition in [("DevsConfig", schema), *schema.get("$defs", {}).items()]:
+        model = globals().get(name)
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            continue
+        props = definition.get("properties", {})
+        for field, info in model.model_fields.items():
+            text = docs.get(name, {}).get(field)
+            key = info.alias or field
+            if text and key in props and "description" not in props[key]:
+                props[key]["description"] = text
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     schema["title"] = "devs.config.json"
     return schema

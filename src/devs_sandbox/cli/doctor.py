@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from devs_sandbox.config import DevsConfig, default_db_path
-from devs_sandbox.isolation import probe_host
+from devs_sandbox.isolation import reprobe
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ def diagnose(config: DevsConfig) -> dict[str, Any]:
     """Machine-readable report: host facts, and each mechanism's status and reason."""
     from devs_sandbox.drivers.process import ProcessDriver  # noqa: PLC0415
 
-    host = probe_host()
+    host = reprobe()  # never the cached verdicts: this is where an operator checks them
     driver = ProcessDriver(host=host)
     report = driver.isolation_report(config.sandbox)
     hints = dict(HINTS)

@@ -9,7 +9,6 @@ cgroup or pid namespace.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 from collections.abc import Awaitable, Callable
@@ -147,6 +146,8 @@ async def awith_execution_timeout(
     timeout_s: float = DEFAULT_TIMEOUT_MS / 1000,
 ) -> T:
     """Async form: await with a deadline; on expiry call ``kill`` and raise ExecTimeoutError."""
+    import asyncio  # noqa: PLC0415 - only async callers pay for asyncio
+
     if not timeout_s > 0:
         raise ValueError("timeout_s must be positive")
     try:
