@@ -34,7 +34,7 @@ from typing import Any, Final
 from pydantic import BaseModel
 
 from devs_sandbox.config import CONFIG_FILE_NAME, DevsConfig, parse_config, read_config_file
-from devs_sandbox.errors import UntrustedConfigError
+from devs_sandbox.errors import ConfigError, UntrustedConfigError
 
 SYSTEM_CONFIG: Final = Path("/etc/devs-sandbox/config.json")
 ENV_SYSTEM_CONFIG: Final = "DEVS_SANDBOX_SYSTEM_CONFIG"  # another host file (packaging, tests)
@@ -90,12 +90,15 @@ RULES: Final[Mapping[str, Rule]] = {
     "sandbox.quotas.diskBytes": Rule.LOWER,
     "sandbox.quotas.cpuCores": Rule.LOWER,
     "sandbox.quotas.maxOpenFiles": Rule.LOWER,
-    "sandbox.quotas.addressSpaceBytes": Rule.LOWER,
-    "sandbox.quotas.pollIntervalMs": Rule.LOWER,  # polling more often is tighter
+    # null is not "unlimited" here: without a cgroup RLIMIT_AS then follows memoryBytes.
+    "sandbox.quotas.addressSpaceBytes": Rule.OPERATOR,
+    # Both ways cost the operator: faster polling burns the host's CPU outside the
+    # sandbox's cgroup, slower polling watches less.
+    "sandbox.quotas.pollIntervalMs": Rule.OPERATOR,
     "sandbox.quotas.growthLookaheadTicks": Rule.HIGHER,  # 0 disables the growth rule
     "sandbox.quotas.growthMinSamples": Rule.LOWER,
     "sandbox.quotas.growthMetrics": Rule.SUPERSET,
-    "sandbox.quotas.depthScanBudgetMs": Rule.HIGHER,  # a smaller budget sees less per tick
+    "sandbox.quotas.depthScanBudgetMs": Rule.OPERATOR,  # host CPU per tick, or less seen
     "sandbox.isolation.required": Rule.SUPERSET,
     "sandbox.isolation.runAsUser": Rule.OPERATOR,
     "sandbox.isolation.tmpfsWorkspace": Rule.TRUE_TIGHT,
@@ -110,7 +113,7 @@ RULES: Final[Mapping[str, Rule]] = {
     "environment.extraDeny": Rule.SUPERSET,
     "mcp.rssLimitBytes": Rule.LOWER,
     "mcp.cpuSustainedMs": Rule.LOWER,
-    "mcp.pollIntervalMs": Rule.LOWER,
+    "mcp.pollIntervalMs": Rule.OPERATOR,  # as sandbox.quotas.pollIntervalMs
     "mcp.timeoutS": Rule.LOWER,
     "mcp.maxTimeoutS": Rule.LOWER,
     "mcp.sessionIdleTimeoutS": Rule.LOWER,
@@ -180,6 +183,17 @@ def _deep_merge(
     return merged
 
 
+def _leaf_values(config: DevsConfig) -> dict[str, Any]:
+    dumped = config.model_dump(mode="json", by_alias=True)
+    return {key: _value_at_dump(dumped, key) for key in leaf_paths(DevsConfig)}
+
+
+def _value_at_dump(node: Any, path: str) -> Any:
+    for part in path.split("."):
+        node = node[part] if isinstance(node, dict) else None
+    return node
+
+
 def _value_at(config: DevsConfig, path: str) -> Any:
     node: Any = config.model_dump(mode="json", by_alias=True)
     for part in path.split("."):
@@ -230,6 +244,9 @@ def load_layered_config(
     if user.is_file():
         layers.append((str(user), user))
     chosen = explicit if explicit is not None else (env.get(ENV_CONFIG) or None)
+    if explicit is None and chosen is not None and not Path(chosen).is_absolute():
+        # Relative, it would name whatever file the working directory holds: the workload's.
+        raise ConfigError(f"{ENV_CONFIG}={chosen}: must be an absolute path", key=ENV_CONFIG)
     if chosen is not None:
         layers.append((str(chosen), Path(chosen)))
     sources: dict[str, str] = {}
@@ -248,9 +265,15 @@ def load_layered_config(
     data = read_config_file(implicit)
     parse_config(data, source=label)
     effective = parse_config(_deep_merge(trusted, data, leaves=leaves), source=label)
-    for key, _value in _flatten(data, leaves=leaves).items():
-        rule = RULES.get(key, Rule.OPERATOR)  # an unknown leaf was refused by parse_config
-        old, new = _value_at(operator, key), _value_at(effective, key)
+    set_here = set(_flatten(data, leaves=leaves))
+    operator_flat = _leaf_values(operator)
+    # Every leaf is compared, not only the keys the file names: the models also accept a
+    # field's Python name (``use_bwrap``), and a value can change through a parent object.
+    for key, new in _leaf_values(effective).items():
+        old = operator_flat.get(key)
+        if new == old:
+            continue
+        rule = RULES.get(key, Rule.OPERATOR)
         if not is_tighter_or_equal(rule, old, new):
             raise UntrustedConfigError(
                 f"{label}: {key}={json.dumps(new)} would weaken the sandbox (operator value "
@@ -259,6 +282,8 @@ def load_layered_config(
                 key=key,
                 path=implicit,
             )
+        set_here.add(key)
+    for key in set_here & set(operator_flat):
         sources[key] = label
     return LoadedConfig(effective, sources, untrusted=implicit)
 

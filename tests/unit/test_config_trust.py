@@ -92,6 +92,10 @@ def test_layers_merge_in_order_and_sources_name_them(places: dict[str, Path]) ->
         ({"quotas": {"cpuCores": None}}, "sandbox.quotas.cpuCores"),
         ({"timeoutMs": 86_400_000}, "sandbox.timeoutMs"),
         ({"quotas": {"growthLookaheadTicks": 0}}, "sandbox.quotas.growthLookaheadTicks"),
+        # The models also accept Python names: the rule must hold for those too.
+        ({"isolation": {"use_bwrap": False}}, "sandbox.isolation.useBwrap"),
+        ({"quotas": {"memory_bytes": 8 << 30}}, "sandbox.quotas.memoryBytes"),
+        ({"quotas": {"addressSpaceBytes": 1 << 40}}, "sandbox.quotas.addressSpaceBytes"),
     ],
 )
 def test_a_working_directory_file_that_weakens_is_refused_naming_key_and_file(
@@ -102,6 +106,7 @@ def test_a_working_directory_file_that_weakens_is_refused_naming_key_and_file(
         load(places)
     assert err.value.key == key and err.value.path == repo_file
     assert key in str(err.value) and str(repo_file) in str(err.value)
+    assert err.value.path == repo_file
     assert "\n" not in str(err.value)
 
 
@@ -240,3 +245,9 @@ def test_whatever_an_implicit_file_gets_accepted_is_at_least_as_tight(
     for key in quotas:
         old, new = defaults[key], effective[key]
         assert old is None or (new is not None and new <= old), (key, old, new)
+
+
+def test_a_relative_config_path_in_the_environment_is_refused(places: dict[str, Path]) -> None:
+    write(places["repo"] / "devs.config.json", {"sandbox": {"network": True}})
+    with pytest.raises(ConfigError, match="absolute"):
+        load(places, env={"DEVS_SANDBOX_CONFIG": "devs.config.json"})
