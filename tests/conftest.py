@@ -142,7 +142,7 @@ def _docker_leftovers() -> set[str]:
     session (found by their owner labels, so a lost lease file hides nothing)."""
     try:
         import docker
-        from devs_sandbox.drivers.docker import _owner_from_labels
+        from devs_sandbox.drivers.docker import owner_from_labels
 
         client = docker.from_env(timeout=10)
         try:
@@ -154,7 +154,7 @@ def _docker_leftovers() -> set[str]:
     out: set[str] = set()
     for c in found:
         labels = c.get("Labels") or {}
-        owner = _owner_from_labels(labels)
+        owner = owner_from_labels(labels)
         if owner.alive() and owner.pid not in _ours():
             continue
         name = (c.get("Names") or ["?"])[0].lstrip("/")

@@ -83,9 +83,9 @@ def driver(docker_image: str, bus: EventBus) -> Iterator[Any]:
 
     d = DockerDriver(emit=bus.emit, extra_labels=LABELS)
     yield d
-    for sandbox_id in list(d._boxes):
+    for ctx in d.live_sandboxes():
         with contextlib.suppress(Exception):
-            d.destroy(d._context(d._boxes[sandbox_id]))
+            d.destroy(ctx)
     d.close()
 
 

@@ -104,8 +104,8 @@ def test_warm_pool_hands_out_prestarted_containers(
         assert first.result.stdout.text == "one\n"
         from tests.integration.helpers import wait_for
 
-        assert wait_for(lambda: len(driver._pool.ids()) == 1, 60)
-        (pooled,) = driver._pool.ids()
+        assert wait_for(lambda: len(driver.pool.ids()) == 1, 60)
+        (pooled,) = driver.pool.ids()
         second = manager.run_in_sandbox(["sh", "-c", "echo two; cat /proc/1/cmdline"], cfg)
         assert second.sandbox_id == pooled and second.result.stdout.text.startswith("two\n")
         fixed = manager.run_in_sandbox(

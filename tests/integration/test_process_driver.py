@@ -535,7 +535,7 @@ def test_a_failed_workspace_removal_never_touches_the_shared_parent(tmp_path: Pa
     which broke every sandbox (and every other user of /tmp) on the host."""
     import stat
 
-    from devs_sandbox.drivers.process import _remove_tree
+    from devs_sandbox.drivers.linux import remove_tree as _remove_tree
     from devs_sandbox.isolation import mounts
 
     tmp_path.chmod(0o1777)

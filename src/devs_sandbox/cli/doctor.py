@@ -63,7 +63,7 @@ def diagnose(config: DevsConfig) -> dict[str, Any]:
         "unified_mount": str(cg.unified) if cg.unified else None,
         "v1_mounts": {k: str(v) for k, v in cg.mounts.items()},
     }
-    uid, _ = driver._run_as(config.sandbox)
+    uid, _ = driver.sandbox_user(config.sandbox)
     bw = host.bwrap_for(uid)
     launcher = driver.namespace_launcher(config.sandbox)
     unshare_ok, unshare_why = host.nsinit_for(uid)
