@@ -130,7 +130,7 @@ class _Args(BaseModel):
 def _monitor_fields(cfg: DevsConfig) -> dict[str, Any]:
     """The monitor's arguments, their defaults taken from the config's ``mcp`` section."""
     mcp = cfg.mcp
-    busy = cpu_busy_threshold(mcp.poll_interval_ms)
+    busy = cpu_busy_threshold(mcp.cpu_sustained_ms)
     return {
         "timeout_s": (
             float,
@@ -156,8 +156,9 @@ def _monitor_fields(cfg: DevsConfig) -> dict[str, Any]:
                 ge=1,
                 le=MAX_CPU_SUSTAINED_MS,
                 description=(
-                    "Kill after the process tree kept a full core busy (100% of one core, "
-                    f"measured as at least {busy:g}% at the default interval) this long in a row."
+                    "Kill after the process tree kept a full core busy this long: its CPU time "
+                    "plus time waiting for a CPU over this trailing window, at least "
+                    f"{busy:g}% of one core on average for the default window."
                 ),
             ),
         ),
@@ -443,11 +444,12 @@ class DevsMcpServer:
             **monitor,
         )
         mcp = config.mcp
-        busy = cpu_busy_threshold(mcp.poll_interval_ms)
+        busy = cpu_busy_threshold(mcp.cpu_sustained_ms)
         limits = (
             f"Killed (SIGKILL to every process) when its process tree's resident memory exceeds "
             f"rss_limit_bytes (default {mcp.rss_limit_bytes}), or when it keeps a full core busy "
-            f"(>= {busy:g}% measured) for cpu_sustained_ms in a row "
+            f"(on average >= {busy:g}% of one core, counting time waiting for a CPU) over "
+            "cpu_sustained_ms "
             f"(default {mcp.cpu_sustained_ms}); a kill is an error result with structured "
             "{pid, reason, value, limit}."
         )

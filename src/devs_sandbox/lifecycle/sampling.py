@@ -17,6 +17,11 @@ What is measured (``PsutilProcessStats``):
   ``smaps`` and costs about a hundred times more per process.
 - CPU% is the tree's CPU time (user + system, plus what reaped children used) since the
   previous sample, over the wall time in between, x 100: 100 is one core.
+- Runnable% adds the time the members waited on a run queue (Linux: the second field of
+  ``/proc/<pid>/schedstat``, the process's main thread): what the tree demanded, which a
+  loaded host does not grant. A busy loop is runnable 100% of the time even when it gets
+  86% of a core. ``None`` where schedstat cannot be read (other systems, kernels without
+  ``CONFIG_SCHED_INFO``).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Final
 
 import psutil
@@ -33,6 +39,27 @@ from devs_sandbox.models import TreeSample
 from devs_sandbox.monitors.usage import ONE_CORE_PERCENT
 
 logger = logging.getLogger(__name__)
+
+
+SCHEDSTAT: Final = Path("/proc/self/schedstat").exists()
+
+
+def run_queue_wait_s(pid: int) -> float | None:
+    """Seconds ``pid``'s main thread has waited on a run queue; ``None`` if the host does
+    not say. A process that exited since the listing waited 0 s more (deltas are clamped).
+    """
+    if not SCHEDSTAT:
+        return None
+    try:
+        fields = Path(f"/proc/{pid}/schedstat").read_bytes().split()
+    except (FileNotFoundError, ProcessLookupError):
+        return 0.0
+    except OSError:
+        return None
+    try:
+        return int(fields[1]) / 1e9
+    except (IndexError, ValueError):
+        return None
 
 
 class PsutilProcessStats:
@@ -63,7 +90,8 @@ class PsutilProcessStats:
         self._members = members
         self._parent: dict[int, int] = {}
         self._procs: dict[int, psutil.Process] = {}
-        self._last: tuple[float, float] | None = None  # (monotonic time, tree CPU seconds)
+        # (monotonic time, tree CPU seconds, tree run-queue wait seconds or None)
+        self._last: tuple[float, float, float | None] | None = None
 
     def _learn(self, pid: int) -> None:
         try:
@@ -116,6 +144,7 @@ class PsutilProcessStats:
         now = time.monotonic()
         rss = 0
         cpu_s = 0.0
+        wait_s: float | None = 0.0
         counted = 0
         for member in tree:
             proc = self._procs.get(member)
@@ -133,15 +162,31 @@ class PsutilProcessStats:
             # A zombie still reports its CPU times (and 0 RSS) until it is reaped.
             cpu_s += times.user + times.system + times.children_user + times.children_system
             counted += 1
+            if wait_s is not None:
+                waited = run_queue_wait_s(member)
+                wait_s = None if waited is None else wait_s + waited
         for stale in self._procs.keys() - set(tree):
             del self._procs[stale]
         cpu_percent: float | None = None
+        runnable_percent: float | None = None
+        interval_s: float | None = None
         if self._last is not None and now > self._last[0]:
+            last_at, last_cpu, last_wait = self._last
+            interval_s = now - last_at
             # Clamped: a member that left the tree alive takes its past CPU time with it.
-            used = max(0.0, cpu_s - self._last[1])
-            cpu_percent = used / (now - self._last[0]) * ONE_CORE_PERCENT
-        self._last = (now, cpu_s)
-        return TreeSample(rss_bytes=rss, cpu_percent=cpu_percent, processes=counted)
+            used = max(0.0, cpu_s - last_cpu)
+            cpu_percent = used / interval_s * ONE_CORE_PERCENT
+            if wait_s is not None and last_wait is not None:
+                waited = max(0.0, wait_s - last_wait)
+                runnable_percent = (used + waited) / interval_s * ONE_CORE_PERCENT
+        self._last = (now, cpu_s, wait_s)
+        return TreeSample(
+            rss_bytes=rss,
+            cpu_percent=cpu_percent,
+            processes=counted,
+            runnable_percent=runnable_percent,
+            interval_s=interval_s,
+        )
 
 
 class ScriptedProcessStats:

@@ -8,7 +8,8 @@ total timeout, destroyed afterwards); on top of that the lifecycle's exec watchd
 policy (``monitors.usage.ResourcePolicy``), which kills on the first breach:
 
 - **rss**: the tree's resident memory above ``rss_limit_bytes`` in one sample;
-- **cpu**: the tree at or above 100% of one core for ``cpu_sustained_ms`` in a row.
+- **cpu**: the tree kept a full core busy (CPU time plus run-queue waits) over the
+  trailing ``cpu_sustained_ms`` window (``monitors.usage``).
 
 Kill path: the monitor calls ``Sandbox.kill()``, which SIGKILLs every process of the
 sandbox (its cgroup and its pid namespace, so setsid'd and double-forked children too);
@@ -84,7 +85,7 @@ class MonitoredShellOptions:
     """Kill when the process tree's resident memory exceeds this (one sample is enough)."""
 
     cpu_sustained_ms: int = DEFAULT_CPU_SUSTAINED_MS
-    """Kill after the tree kept at least one core busy for this long in a row."""
+    """Kill after the tree kept a full core busy over a trailing window this long."""
 
     poll_interval_ms: int = DEFAULT_POLL_INTERVAL_MS
     """How often the monitor samples the tree."""
