@@ -84,7 +84,7 @@ _EXPORTS = {
     "check_filesystem_quota": "devs_sandbox.monitors.drain",
     "check_process_quota": "devs_sandbox.monitors.drain",
     "default_timeout_enforcer": "devs_sandbox.lifecycle.timeout",
-    "load_config": "devs_sandbox.config",
+    "load_config": "devs_sandbox.config_trust",
     "override": "devs_sandbox.config",
     "run_shell_monitored": "devs_sandbox.tools.shell",
     "run_shell_monitored_sync": "devs_sandbox.tools.shell",

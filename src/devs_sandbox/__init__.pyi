@@ -6,9 +6,9 @@ from devs_sandbox.config import (
     IsolationConfig,
     QuotaConfig,
     SandboxLifecycleConfig,
-    load_config,
     override,
 )
+from devs_sandbox.config_trust import load_config
 from devs_sandbox.drivers.fake import FakeDriver
 from devs_sandbox.drivers.process import ProcessDriver
 from devs_sandbox.errors import (

@@ -442,17 +442,6 @@ def parse_config(data: Any, *, source: str = "config") -> DevsConfig:
         raise ConfigError(f"{source}: {msg}", key=key) from None
 
 
-def load_config(path: Path | str | None = None, *, cwd: Path | None = None) -> DevsConfig:
-    """The effective configuration: the host's and the user's files, then ``path`` (or
-    ``$DEVS_SANDBOX_CONFIG``), or else ``./devs.config.json``, which may only tighten (see
-    ``config_trust``: a file found in the working directory is the workload's, not the
-    operator's). An explicit path that does not exist is an error; the others are optional.
-    """
-    from devs_sandbox.config_trust import load_layered_config  # noqa: PLC0415 - it imports us
-
-    return load_layered_config(path, cwd=cwd).config
-
-
 def read_config_file(path: Path | str) -> Any:
     """The decoded JSON of one config file; ``ConfigError`` naming the file otherwise."""
     path = Path(path)

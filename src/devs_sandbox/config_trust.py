@@ -306,3 +306,12 @@ def describe(loaded: LoadedConfig) -> list[tuple[str, Any, str]]:
     return [
         (key, _value_at(loaded.config, key), loaded.source(key)) for key in leaf_paths(DevsConfig)
     ]
+
+
+def load_config(path: Path | str | None = None, *, cwd: Path | None = None) -> DevsConfig:
+    """The effective configuration: the host's and the user's files, then ``path`` (or
+    ``$DEVS_SANDBOX_CONFIG``), or else ``./devs.config.json``, which may only tighten (a
+    file found in the working directory is the workload's, not the operator's). An
+    explicit path that does not exist is an error; the others are optional.
+    """
+    return load_layered_config(path, cwd=cwd).config

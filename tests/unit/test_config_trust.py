@@ -10,12 +10,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from devs_sandbox.config import DevsConfig, load_config
+from devs_sandbox.config import DevsConfig
 from devs_sandbox.config_trust import (
     RULES,
     Rule,
     is_tighter_or_equal,
     leaf_paths,
+    load_config,
     load_layered_config,
 )
 from devs_sandbox.errors import ConfigError, UntrustedConfigError

@@ -521,8 +521,14 @@ class DockerDriver:
                     raise
 
     def remove_container(self, container_id: str) -> None:
-        """``docker rm -f``: a container that is already gone (or going) is fine."""
+        """``docker rm -f``: a container that is already gone (or going) is fine. The box
+        remembers it, so the lifecycle's destroy after a full workspace or an OOM kill does
+        not remove the container a second time."""
+        box = self._box_for_container(container_id)
         self.removal.remove_container(container_id)
+        if box is not None:
+            with box.lock:
+                box.container_removed = True
 
     # -- optional capabilities ------------------------------------------------------------------
     def on_quota_exceeded(self, ctx: SandboxContext, error: QuotaExceededError) -> None:

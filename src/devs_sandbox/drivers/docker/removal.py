@@ -82,7 +82,13 @@ class Removal:
     def finish(self, box: Box) -> None:
         if box.init_pidfd is not None and self.d.alive(box):
             self.d.stop_box(box)  # a stopped container is removed faster than a running one
-        left = self.remove_by_id(box.id, box.host_dir, box.container_id or None, lease=False)
+        left = self.remove_by_id(
+            box.id,
+            box.host_dir,
+            box.container_id or None,
+            lease=False,
+            container_gone=box.container_removed,
+        )
         if box.init_pidfd is not None:
             with contextlib.suppress(OSError):
                 os.close(box.init_pidfd)
@@ -98,14 +104,16 @@ class Removal:
         container: str | None,
         *,
         lease: bool = True,
+        container_gone: bool = False,
     ) -> list[str]:
         """Remove the container (by id, else by name) and the host dir; what could not go."""
         left: list[str] = []
         ref = container or f"{CONTAINER_PREFIX}{sandbox_id}"
-        try:
-            self.remove_container(ref)
-        except DevsSandboxError as exc:
-            left.append(f"container {ref}: {exc}")
+        if not container_gone:
+            try:
+                self.remove_container(ref)
+            except DevsSandboxError as exc:
+                left.append(f"container {ref}: {exc}")
         if host_dir.exists() or host_dir.is_symlink():
             if host_dir.is_symlink():
                 host_dir.unlink()

@@ -79,6 +79,7 @@ class Box:
     exec_cgroups: list[SandboxCgroup] = field(default_factory=list)
     leased: bool = False  # what this provision made, so a failed one undoes only that
     made_dir: bool = False
+    container_removed: bool = False  # the exhaustion handler removed it: destroy does not again
     secrets: dict[str, bytearray] = field(default_factory=dict)
     redactor: Redactor | None = None
     secret_env: dict[str, str] = field(default_factory=dict)
