@@ -175,7 +175,7 @@ def test_idle_timeout_kills_a_silent_run() -> None:
 @pytest.mark.cgroups
 def test_memory_cap_is_enforced_by_the_kernel_and_recorded(db_path: Path) -> None:
     with pytest.raises(QuotaExceededError) as info:
-        manager(db_path).run_in_sandbox(
+        manager(db=db_path).run_in_sandbox(
             [PY, "-c", "b = bytearray(256 * 1024 * 1024); print('survived')"],
             config(quotas={"memory_bytes": 64 << 20}),
         )
@@ -204,7 +204,7 @@ def test_process_cap_is_enforced_by_the_kernel_and_recorded(db_path: Path) -> No
     )
     start = time.monotonic()
     with pytest.raises(QuotaExceededError) as info:
-        manager(db_path).run_in_sandbox(
+        manager(db=db_path).run_in_sandbox(
             [PY, "-c", bomb], config(quotas={"process_count_limit": 64, "poll_interval_ms": 200})
         )
     assert time.monotonic() - start < 20
@@ -415,7 +415,7 @@ def test_workspace_tmpfs_holds_the_file_count_and_records_it(db_path: Path) -> N
         "i=0; while [ $i -lt 200 ]; do touch f$i 2>/dev/null || break; i=$((i+1)); done; echo $i"
     )
     with pytest.raises(QuotaExceededError) as info:
-        manager(db_path).run_in_sandbox(
+        manager(db=db_path).run_in_sandbox(
             ["sh", "-c", script],
             config(quotas={"file_count_limit": 50, "poll_interval_ms": 60_000}),
         )
@@ -432,7 +432,7 @@ def test_workspace_tmpfs_holds_the_disk_quota(db_path: Path) -> None:
     from devs_sandbox.errors import DiskQuotaExceededError
 
     with pytest.raises(DiskQuotaExceededError) as info:
-        manager(db_path).run_in_sandbox(
+        manager(db=db_path).run_in_sandbox(
             "head -c 5000000 /dev/zero > big; echo rc=$?; ls -l big",
             config(quotas={"disk_bytes": 2 << 20, "poll_interval_ms": 60_000}),
         )
@@ -443,7 +443,7 @@ def test_workspace_tmpfs_holds_the_disk_quota(db_path: Path) -> None:
 
 def test_rlimit_fsize_stops_a_huge_file_and_is_recorded(db_path: Path) -> None:
     with pytest.raises(QuotaExceededError) as info:
-        manager(db_path).run_in_sandbox(
+        manager(db=db_path).run_in_sandbox(
             "head -c 50000000 /dev/zero > big; echo after",
             config(quotas={"max_file_size_bytes": 10_000_000, "poll_interval_ms": 60_000}),
         )
@@ -623,7 +623,7 @@ def test_cgroup_v2_caps_memory_and_processes(db_path: Path) -> None:
     out = manager().run_in_sandbox(["true"], config())
     assert "cgroup-v2" in out.isolation
     with pytest.raises(QuotaExceededError) as info:
-        manager(db_path).run_in_sandbox(
+        manager(db=db_path).run_in_sandbox(
             [PY, "-c", "b = bytearray(256 * 1024 * 1024); print('survived')"],
             config(quotas={"memory_bytes": 64 << 20}),
         )

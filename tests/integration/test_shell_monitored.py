@@ -65,7 +65,7 @@ def test_a_busy_loop_is_killed_for_cpu(tmp_path: Path) -> None:
     loop = f"{PY} -c \"import os; os.fork(); os.fork(); exec('while True: pass')\""
     opts = MonitoredShellOptions(cpu_sustained_ms=1_000, poll_interval_ms=250, timeout_s=120)
     with pytest.raises(ResourceLimitExceededError) as err:
-        run_shell_monitored_sync(loop, opts, manager=manager(db), config=config())
+        run_shell_monitored_sync(loop, opts, manager=manager(db=db), config=config())
     e = err.value
     assert e.reason == "cpu" and e.limit == cpu_busy_threshold(1_000)
     assert e.value >= e.limit
@@ -111,7 +111,7 @@ def test_a_busy_loop_sharing_its_core_is_killed_on_time(tmp_path: Path) -> None:
             run_shell_monitored_sync(
                 f"exec taskset -c {cpu} {PY} -c 'while True: pass'",
                 opts,
-                manager=manager(db),
+                manager=manager(db=db),
                 config=config(),
             )
     finally:
