@@ -96,7 +96,8 @@ def test_the_server_path_gives_what_the_process_gives(
     assert _alive(pid), "the server should still serve"
 
 
-def test_each_request_uses_its_clients_environment_and_directory(
+@pytest.mark.cgroups
+def test_each_request_records_in_the_store_of_its_clients_environment(
     server_env: dict[str, str], tmp_path: Path
 ) -> None:
     started(server_env)
@@ -111,9 +112,15 @@ def test_each_request_uses_its_clients_environment_and_directory(
         "b = bytearray(512 << 20)",
         env={**server_env, "DEVS_SANDBOX_DB": str(db)},
     )
-    assert hog.returncode == 137
+    assert hog.returncode == 137, hog.stderr
     rows = sqlite3.connect(db).execute("SELECT violation_type FROM sandbox_violations").fetchall()
     assert rows == [("MEMORY_EXCEEDED",)], "recorded in the store of the client's environment"
+
+
+def test_each_request_uses_its_clients_environment_and_directory(
+    server_env: dict[str, str], tmp_path: Path
+) -> None:
+    started(server_env)
     repo = tmp_path / "repo"
     repo.mkdir()
     (repo / "devs.config.json").write_text(json.dumps({"sandbox": {"network": True}}))
