@@ -13,7 +13,9 @@ derive a run's config from the file's with :func:`override`, which re-validates.
 from __future__ import annotations
 
 import json
+import math
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Final, Literal
 
@@ -78,13 +80,18 @@ DEFAULT_CPU_CORES = 1.0
 DriverName = Literal["process", "docker", "fake", "ray"]
 
 
+def ms_from_s(seconds: float) -> int:
+    """Seconds (the Python API's unit) as the config's whole milliseconds: rounded up, so a
+    budget is never shortened, and at least 1."""
+    return max(1, math.ceil(seconds * 1000))
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(
         frozen=True,
         extra="forbid",
         alias_generator=to_camel,
         populate_by_name=True,
-        use_attribute_docstrings=True,
         validate_default=True,
     )
 
@@ -140,6 +147,14 @@ class QuotaConfig(_Model):
 
     depth_scan_budget_ms: Annotated[StrictInt, Field(ge=1, le=60_000)] = 200
     """Most time one tick may spend walking the workspace for depth and file sizes."""
+
+    @property
+    def poll_interval_s(self) -> float:
+        return self.poll_interval_ms / 1000
+
+    @property
+    def depth_scan_budget_s(self) -> float:
+        return self.depth_scan_budget_ms / 1000
 
 
 class IsolationConfig(_Model):
@@ -322,6 +337,19 @@ class SandboxLifecycleConfig(_Model):
     isolation: IsolationConfig = Field(default_factory=IsolationConfig)
     """Host isolation mechanisms."""
 
+    # The Python API speaks seconds; the file speaks the specification's milliseconds.
+    @property
+    def timeout_s(self) -> float:
+        return self.timeout_ms / 1000
+
+    @property
+    def idle_timeout_s(self) -> float | None:
+        return None if self.idle_timeout_ms is None else self.idle_timeout_ms / 1000
+
+    @property
+    def preflight_timeout_s(self) -> float:
+        return self.preflight_timeout_ms / 1000
+
     @field_validator("sandbox_id")
     @classmethod
     def _valid_id(cls, v: str | None) -> str | None:
@@ -451,16 +479,8 @@ def parse_config(data: Any, *, source: str = "config") -> DevsConfig:
         raise ConfigError(f"{source}: {msg}", key=key) from None
 
 
-def load_config(path: Path | str | None = None, *, cwd: Path | None = None) -> DevsConfig:
-    """Load ``path``, or ``./devs.config.json`` if it exists, or the defaults.
-
-    An explicit path that does not exist is an error; a missing implicit file is not.
-    """
-    if path is None:
-        candidate = (cwd or Path.cwd()) / CONFIG_FILE_NAME
-        if not candidate.is_file():
-            return DevsConfig()
-        path = candidate
+def read_config_file(path: Path | str) -> Any:
+    """The decoded JSON of one config file; ``ConfigError`` naming the file otherwise."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -475,7 +495,7 @@ def load_config(path: Path | str | None = None, *, cwd: Path | None = None) -> D
             f"{path}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}",
             key="(root)",
         ) from None
-    return parse_config(data, source=str(path))
+    return data
 
 
 def override(config: SandboxLifecycleConfig, **changes: Any) -> SandboxLifecycleConfig:
@@ -498,9 +518,46 @@ def override(config: SandboxLifecycleConfig, **changes: Any) -> SandboxLifecycle
         raise ConfigError(msg, key=bad_key) from None
 
 
+def _attribute_docstrings() -> dict[str, dict[str, str]]:
+    """Each model's fields' docstrings (class name -> field -> text), read from this module's
+    source with ``ast``: what pydantic's ``use_attribute_docstrings`` would do, but only when
+    the schema is generated, not on every import (it cost ~35 ms of each CLI start)."""
+    import ast  # noqa: PLC0415 - schema generation only
+    import inspect  # noqa: PLC0415
+
+    tree = ast.parse(Path(__file__).read_text(encoding="utf-8"))
+    docs: dict[str, dict[str, str]] = {}
+    for cls in tree.body:
+        if not isinstance(cls, ast.ClassDef):
+            continue
+        fields: dict[str, str] = {}
+        for prev, node in zip(cls.body, cls.body[1:], strict=False):
+            if (
+                isinstance(prev, ast.AnnAssign)
+                and isinstance(prev.target, ast.Name)
+                and isinstance(node, ast.Expr)
+                and isinstance(node.value, ast.Constant)
+                and isinstance(node.value.value, str)
+            ):
+                fields[prev.target.id] = inspect.cleandoc(node.value.value)
+        docs[cls.name] = fields
+    return docs
+
+
 def config_json_schema() -> dict[str, Any]:
     """The JSON Schema of ``devs.config.json``, generated from the models (never hand-edited)."""
     schema = DevsConfig.model_json_schema(by_alias=True, mode="validation")
+    docs = _attribute_docstrings()
+    for name, definition in [("DevsConfig", schema), *schema.get("$defs", {}).items()]:
+        model = globals().get(name)
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            continue
+        props = definition.get("properties", {})
+        for field, info in model.model_fields.items():
+            text = docs.get(name, {}).get(field)
+            key = info.alias or field
+            if text and key in props and "description" not in props[key]:
+                props[key]["description"] = text
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     schema["title"] = "devs.config.json"
     return schema
@@ -510,10 +567,13 @@ def render_schema() -> str:
     return json.dumps(config_json_schema(), indent=2, sort_keys=True) + "\n"
 
 
-def default_db_path() -> Path:
-    """$DEVS_SANDBOX_DB, else the XDG data directory."""
-    env = os.environ.get("DEVS_SANDBOX_DB")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+def default_db_path(env: Mapping[str, str] | None = None) -> Path:
+    """$DEVS_SANDBOX_DB, else the XDG data directory (of ``env``, default ours)."""
+    env = os.environ if env is None else env
+    explicit = env.get("DEVS_SANDBOX_DB")
+    if explicit:
+        return Path(explicit)
+    base = env.get("XDG_DATA_HOME") or str(
+        Path(env.get("HOME") or Path.home()) / ".local" / "share"
+    )
     return Path(base) / "devs-sandbox" / "devs.db"
