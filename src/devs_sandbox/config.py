@@ -13,10 +13,12 @@ derive a run's config from the file's with :func:`override`, which re-validates.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 from pydantic import (
     BaseModel,
@@ -76,7 +78,13 @@ STRICT_MECHANISMS: tuple[Mechanism, ...] = (
 )
 DEFAULT_CPU_CORES = 1.0
 
-DriverName = Literal["process", "docker", "kubernetes", "fake"]
+DriverName = Literal["process", "docker", "kubernetes", "ray", "fake"]
+
+
+def ms_from_s(seconds: float) -> int:
+    """Seconds (the Python API's unit) as the config's whole milliseconds: rounded up, so a
+    budget is never shortened, and at least 1."""
+    return max(1, math.ceil(seconds * 1000))
 
 
 class _Model(BaseModel):
@@ -85,7 +93,6 @@ class _Model(BaseModel):
         extra="forbid",
         alias_generator=to_camel,
         populate_by_name=True,
-        use_attribute_docstrings=True,
         validate_default=True,
     )
 
@@ -141,6 +148,14 @@ class QuotaConfig(_Model):
 
     depth_scan_budget_ms: Annotated[StrictInt, Field(ge=1, le=60_000)] = 200
     """Most time one tick may spend walking the workspace for depth and file sizes."""
+
+    @property
+    def poll_interval_s(self) -> float:
+        return self.poll_interval_ms / 1000
+
+    @property
+    def depth_scan_budget_s(self) -> float:
+        return self.depth_scan_budget_ms / 1000
 
 
 class IsolationConfig(_Model):
@@ -324,11 +339,45 @@ class KubernetesConfig(_Model):
         return v
 
 
+# A Ray custom resource name, as `ray start --resources` takes it.
+RAY_RESOURCE_PATTERN: Final = r"^[A-Za-z_][A-Za-z0-9_.-]{0,127}$"
+
+
+class RayConfig(_Model):
+    """The ray driver: which cluster, what confines a sandbox on its node, how capacity is
+    counted. Each field decides where a sandbox's command, files and secrets go or what
+    confines them there: only an operator config should set them."""
+
+    address: Annotated[str, Field(min_length=1, max_length=512)] = "auto"
+    """Ray cluster to place sandboxes on: "auto" (the cluster this process belongs to:
+    $RAY_ADDRESS, or the one started on this host with `ray start`), "local" (start a
+    one-node Ray inside this process, to try it out), or HOST:PORT. Inside a Ray task or
+    actor the cluster it runs in is used, whatever this says."""
+
+    node_driver: Literal["process", "docker"] = "process"
+    """What confines a sandbox on its node: that node's process driver (namespaces,
+    cgroups, seccomp, tmpfs, own uid) or its docker driver. The sandbox's quotas, isolation
+    and docker settings apply on the node as they would locally; a node that cannot give
+    a promised layer refuses, as a local run would."""
+
+    slot_resource: Annotated[str, Field(pattern=RAY_RESOURCE_PATTERN)] = "devs_sandbox_slots"
+    """Ray custom resource a sandbox holds one unit of while it lives: a node holds as many
+    sandboxes as it declares (`ray start --resources '{"devs_sandbox_slots": 8}'`). When
+    every slot is taken a new sandbox waits for one, at most the total timeout."""
+
+    namespace: Annotated[str, Field(min_length=1, max_length=128)] = "devs-sandbox"
+    """Ray namespace of the host actors (one per node and nodeDriver)."""
+
+    connect_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 60.0
+    """Most seconds to connect to the cluster, and to start a node's host actor."""
+
+
 class SandboxLifecycleConfig(_Model):
     """One sandbox run: driver, timeouts, quotas, isolation. Also the file's ``sandbox``."""
 
     driver: DriverName = "process"
-    """Backend that runs the sandbox: "process" (this host), "docker" or "kubernetes"."""
+    """Backend that runs the sandbox: "process" (this host), "docker", "kubernetes" (a pod
+    of a cluster), or "ray" (a node of a Ray cluster, confined there by sandbox.ray.nodeDriver)."""
 
     sandbox_id: str | None = None
     """Fixed id for the sandbox (letters, digits, '.', '_', '-'; at most 64); null = random."""
@@ -371,11 +420,27 @@ class SandboxLifecycleConfig(_Model):
     kubernetes: KubernetesConfig = Field(default_factory=KubernetesConfig)
     """Kubernetes driver settings."""
 
+    ray: RayConfig = Field(default_factory=RayConfig)
+    """Ray driver settings."""
+
     quotas: QuotaConfig = Field(default_factory=QuotaConfig)
     """Hard limits."""
 
     isolation: IsolationConfig = Field(default_factory=IsolationConfig)
     """Host isolation mechanisms."""
+
+    # The Python API speaks seconds; the file speaks the specification's milliseconds.
+    @property
+    def timeout_s(self) -> float:
+        return self.timeout_ms / 1000
+
+    @property
+    def idle_timeout_s(self) -> float | None:
+        return None if self.idle_timeout_ms is None else self.idle_timeout_ms / 1000
+
+    @property
+    def preflight_timeout_s(self) -> float:
+        return self.preflight_timeout_ms / 1000
 
     @field_validator("sandbox_id")
     @classmethod
@@ -506,16 +571,8 @@ def parse_config(data: Any, *, source: str = "config") -> DevsConfig:
         raise ConfigError(f"{source}: {msg}", key=key) from None
 
 
-def load_config(path: Path | str | None = None, *, cwd: Path | None = None) -> DevsConfig:
-    """Load ``path``, or ``./devs.config.json`` if it exists, or the defaults.
-
-    An explicit path that does not exist is an error; a missing implicit file is not.
-    """
-    if path is None:
-        candidate = (cwd or Path.cwd()) / CONFIG_FILE_NAME
-        if not candidate.is_file():
-            return DevsConfig()
-        path = candidate
+def read_config_file(path: Path | str) -> Any:
+    """The decoded JSON of one config file; ``ConfigError`` naming the file otherwise."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -530,16 +587,16 @@ def load_config(path: Path | str | None = None, *, cwd: Path | None = None) -> D
             f"{path}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}",
             key="(root)",
         ) from None
-    return parse_config(data, source=str(path))
+    return data
 
 
 def override(config: SandboxLifecycleConfig, **changes: Any) -> SandboxLifecycleConfig:
-    """A copy of ``config`` with ``changes`` (snake_case; ``quotas``/``isolation``/``docker``/
-    ``kubernetes`` as dicts merged into the existing ones), re-validated so an override
-    cannot smuggle in a bad value.
+    """A copy of ``config`` with ``changes`` (snake_case; ``quotas``, ``isolation``, ``docker``,
+    ``kubernetes`` and ``ray`` as dicts merged into the existing ones), re-validated so an
+    override cannot smuggle in a bad value.
     """
     data = config.model_dump()
-    for key in ("quotas", "isolation", "docker", "kubernetes"):
+    for key in ("quotas", "isolation", "docker", "kubernetes", "ray"):
         if key in changes:
             nested = changes.pop(key)
             if isinstance(nested, BaseModel):
@@ -553,9 +610,46 @@ def override(config: SandboxLifecycleConfig, **changes: Any) -> SandboxLifecycle
         raise ConfigError(msg, key=bad_key) from None
 
 
+def _attribute_docstrings() -> dict[str, dict[str, str]]:
+    """Each model's fields' docstrings (class name -> field -> text), read from this module's
+    source with ``ast``: what pydantic's ``use_attribute_docstrings`` would do, but only when
+    the schema is generated, not on every import (it cost ~35 ms of each CLI start)."""
+    import ast  # noqa: PLC0415 - schema generation only
+    import inspect  # noqa: PLC0415
+
+    tree = ast.parse(Path(__file__).read_text(encoding="utf-8"))
+    docs: dict[str, dict[str, str]] = {}
+    for cls in tree.body:
+        if not isinstance(cls, ast.ClassDef):
+            continue
+        fields: dict[str, str] = {}
+        for prev, node in zip(cls.body, cls.body[1:], strict=False):
+            if (
+                isinstance(prev, ast.AnnAssign)
+                and isinstance(prev.target, ast.Name)
+                and isinstance(node, ast.Expr)
+                and isinstance(node.value, ast.Constant)
+                and isinstance(node.value.value, str)
+            ):
+                fields[prev.target.id] = inspect.cleandoc(node.value.value)
+        docs[cls.name] = fields
+    return docs
+
+
 def config_json_schema() -> dict[str, Any]:
     """The JSON Schema of ``devs.config.json``, generated from the models (never hand-edited)."""
     schema = DevsConfig.model_json_schema(by_alias=True, mode="validation")
+    docs = _attribute_docstrings()
+    for name, definition in [("DevsConfig", schema), *schema.get("$defs", {}).items()]:
+        model = globals().get(name)
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            continue
+        props = definition.get("properties", {})
+        for field, info in model.model_fields.items():
+            text = docs.get(name, {}).get(field)
+            key = info.alias or field
+            if text and key in props and "description" not in props[key]:
+                props[key]["description"] = text
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     schema["title"] = "devs.config.json"
     return schema
@@ -565,10 +659,13 @@ def render_schema() -> str:
     return json.dumps(config_json_schema(), indent=2, sort_keys=True) + "\n"
 
 
-def default_db_path() -> Path:
-    """$DEVS_SANDBOX_DB, else the XDG data directory."""
-    env = os.environ.get("DEVS_SANDBOX_DB")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+def default_db_path(env: Mapping[str, str] | None = None) -> Path:
+    """$DEVS_SANDBOX_DB, else the XDG data directory (of ``env``, default ours)."""
+    env = os.environ if env is None else env
+    explicit = env.get("DEVS_SANDBOX_DB")
+    if explicit:
+        return Path(explicit)
+    base = env.get("XDG_DATA_HOME") or str(
+        Path(env.get("HOME") or Path.home()) / ".local" / "share"
+    )
     return Path(base) / "devs-sandbox" / "devs.db"

@@ -15,6 +15,7 @@ are translated where they enter, with ``raise ... from exc``.
     +-- ConfigError (ValueError)                 bad config file, option or argument
     |   +-- InvalidSandboxIdError
     |   +-- SecurityConfigError                  a hardening setting was weakened
+    |   +-- UntrustedConfigError                 a working directory's config tried to weaken
     +-- IsolationUnavailableError                strict mode: a required mechanism is missing
     |   +-- WeakerIsolationError                 a layer the defaults promise is missing
     +-- DriverError                              the driver's infrastructure failed
@@ -24,6 +25,7 @@ are translated where they enter, with ``raise ... from exc``.
     |   +-- ImageUnavailableError                no image could be resolved or built
     |   +-- UnsupportedRuntimeError              the driver lacks the runtime a command needs
     |   +-- ExecLostError                        an exec ended without an exit status
+    |   +-- SandboxLostError                     its node died or became unreachable mid-run
     +-- SandboxNotFoundError (KeyError)          unknown or already destroyed sandbox id
     +-- SessionLimitError                        the MCP server already keeps mcp.maxSessions alive
     +-- ExecTimeoutError (TimeoutError)          one exec ran past its own timeout
@@ -41,6 +43,7 @@ are translated where they enter, with ``raise ... from exc``.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -65,6 +68,15 @@ class InvalidSandboxIdError(ConfigError):
 
 class SecurityConfigError(ConfigError):
     """A container host config that drops one of the mandatory hardening settings."""
+
+
+class UntrustedConfigError(ConfigError):
+    """A config file found implicitly in the working directory (the workload's, not the
+    operator's) set a key that would weaken the sandbox; ``key`` names it, ``path`` the file."""
+
+    def __init__(self, message: str, *, key: str, path: Path) -> None:
+        super().__init__(message, key=key)
+        self.path = path
 
 
 class IsolationUnavailableError(DevsSandboxError):
@@ -136,6 +148,19 @@ class ExecLostError(DriverError):
     The exec's processes were killed before this was raised, where the backend allowed."""
 
 
+class SandboxLostError(DriverError):
+    """The node a sandbox was placed on died or stopped answering: the sandbox is gone with
+    whatever its command was doing. ``node`` names the node, ``reason`` says what was seen;
+    what the sandbox left on the node is reaped there when a node starts again on that host.
+    """
+
+    def __init__(self, sandbox_id: str, node: str, reason: str) -> None:
+        super().__init__(f"sandbox {sandbox_id} lost with node {node}: {reason}")
+        self.sandbox_id = sandbox_id
+        self.node = node
+        self.reason = reason
+
+
 class SandboxNotFoundError(DevsSandboxError, KeyError):
     """No live sandbox has this id (never created, or already destroyed); ``detail`` says what
     became of it when that is known (destroyed by whom, expired after which timeout)."""
@@ -163,9 +188,9 @@ class SessionLimitError(DevsSandboxError):
 class ExecTimeoutError(DevsSandboxError, TimeoutError):
     """``with_execution_timeout`` gave up on one call; the call's work was killed."""
 
-    def __init__(self, timeout_ms: int, result: ExecResult | None = None) -> None:
-        super().__init__(f"execution exceeded {timeout_ms} ms")
-        self.timeout_ms = timeout_ms
+    def __init__(self, timeout_s: float, result: ExecResult | None = None) -> None:
+        super().__init__(f"execution exceeded {timeout_s:g} s")
+        self.timeout_s = timeout_s
         self.result = result
 
 
@@ -230,19 +255,19 @@ class SandboxTimeoutError(SandboxRunError, TimeoutError):
     """The run's total timeout fired; every process of the sandbox was SIGKILLed."""
 
     def __init__(
-        self, timeout_ms: int, outcome: SandboxOutcome | None = None, *, idle: bool = False
+        self, timeout_s: float, outcome: SandboxOutcome | None = None, *, idle: bool = False
     ) -> None:
         if idle:
             message = (
-                f"sandbox killed after {timeout_ms} ms without output "
-                "(raise sandbox.idleTimeoutMs or --idle-timeout)"
+                f"sandbox killed after {timeout_s:g} s without output "
+                "(raise --idle-timeout or sandbox.idleTimeoutMs)"
             )
         else:
             message = (
-                f"sandbox timed out after {timeout_ms} ms (raise sandbox.timeoutMs or --timeout)"
+                f"sandbox timed out after {timeout_s:g} s (raise --timeout or sandbox.timeoutMs)"
             )
         super().__init__(message, outcome)
-        self.timeout_ms = timeout_ms
+        self.timeout_s = timeout_s
         self.idle = idle
 
 

@@ -51,7 +51,6 @@ from mcp.server.lowlevel import Server
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
 from devs_sandbox import __version__
-from devs_sandbox.aio import run_blocking
 from devs_sandbox.base import ProcessStatsSource, Scheduler
 from devs_sandbox.config import (
     MAX_CPU_SUSTAINED_MS,
@@ -74,15 +73,12 @@ from devs_sandbox.errors import (
     SessionLimitError,
 )
 from devs_sandbox.lifecycle import SandboxLifecycleManager
+from devs_sandbox.lifecycle.aio import run_blocking
 from devs_sandbox.models import SANDBOX_ID_PATTERN, ExecResult
-from devs_sandbox.monitor.shell import (
-    MonitoredShellOptions,
-    ShellResult,
-    cpu_busy_threshold,
-    run_shell_monitored,
-)
-from devs_sandbox.sessions import SandboxSessions
+from devs_sandbox.monitors.usage import cpu_busy_threshold
 from devs_sandbox.store import ViolationStore
+from devs_sandbox.tools.sessions import SandboxSessions
+from devs_sandbox.tools.shell import MonitoredShellOptions, ShellResult, run_shell_monitored
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +130,7 @@ class _Args(BaseModel):
 def _monitor_fields(cfg: DevsConfig) -> dict[str, Any]:
     """The monitor's arguments, their defaults taken from the config's ``mcp`` section."""
     mcp = cfg.mcp
-    busy = cpu_busy_threshold(mcp.poll_interval_ms)
+    busy = cpu_busy_threshold(mcp.cpu_sustained_ms)
     return {
         "timeout_s": (
             float,
@@ -160,8 +156,9 @@ def _monitor_fields(cfg: DevsConfig) -> dict[str, Any]:
                 ge=1,
                 le=MAX_CPU_SUSTAINED_MS,
                 description=(
-                    "Kill after the process tree kept a full core busy (100% of one core, "
-                    f"measured as at least {busy:g}% at the default interval) this long in a row."
+                    "Kill after the process tree kept a full core busy this long: its CPU time "
+                    "plus time waiting for a CPU over this trailing window, at least "
+                    f"{busy:g}% of one core on average for the default window."
                 ),
             ),
         ),
@@ -306,7 +303,7 @@ def _failure_for(exc: BaseException, tool: str, args: BaseModel | None) -> ToolC
             },
         )
     if isinstance(exc, SandboxTimeoutError | ExecTimeoutError):
-        seconds = exc.timeout_ms / 1000
+        seconds = exc.timeout_s
         if isinstance(exc, ExecTimeoutError):
             result = exc.result
         else:
@@ -447,11 +444,12 @@ class DevsMcpServer:
             **monitor,
         )
         mcp = config.mcp
-        busy = cpu_busy_threshold(mcp.poll_interval_ms)
+        busy = cpu_busy_threshold(mcp.cpu_sustained_ms)
         limits = (
             f"Killed (SIGKILL to every process) when its process tree's resident memory exceeds "
             f"rss_limit_bytes (default {mcp.rss_limit_bytes}), or when it keeps a full core busy "
-            f"(>= {busy:g}% measured) for cpu_sustained_ms in a row "
+            f"(on average >= {busy:g}% of one core, counting time waiting for a CPU) over "
+            "cpu_sustained_ms "
             f"(default {mcp.cpu_sustained_ms}); a kill is an error result with structured "
             "{pid, reason, value, limit}."
         )

@@ -174,12 +174,17 @@ class TreeSample:
 
     ``rss_bytes`` sums the resident memory of every process in the tree; ``cpu_percent`` is
     the tree's CPU time since the previous sample over the wall time between them, where
-    100 is one core (``None`` on the first sample: no rate yet).
+    100 is one core (``None`` on the first sample: no rate yet). ``runnable_percent`` adds
+    the time the tree's processes waited for a CPU (``None`` where the host does not
+    report it); ``interval_s`` is the wall time since the previous sample (``None``: the
+    poll interval).
     """
 
     rss_bytes: int
     cpu_percent: float | None
     processes: int = 1
+    runnable_percent: float | None = None
+    interval_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,6 +201,11 @@ class SandboxContext:
     # Default layers not in effect, each "layer: why" (the operator allowed weaker isolation).
     warnings: tuple[str, ...] = ()
 
+    @property
+    def node(self) -> str | None:
+        """Where the sandbox runs, for drivers that place it on one of several machines."""
+        return self.labels.get("node")
+
 
 @dataclass(frozen=True, slots=True)
 class SandboxOutcome:
@@ -210,6 +220,7 @@ class SandboxOutcome:
     cancelled: bool = False
     preflight: tuple[ExecResult, ...] = ()
     warnings: tuple[str, ...] = ()  # default layers that were not in effect, and why
+    node: str | None = None  # where it ran, for drivers that place sandboxes (ray: node id)
 
     @property
     def exit_code(self) -> int:
@@ -249,6 +260,7 @@ class SandboxOutcome:
             "resources": {k: v for k, v in res.resources.to_json().items() if k != "wall_time_s"},
             "violation": None if self.violation is None else self.violation.to_json(),
             "warnings": list(self.warnings),
+            "node": self.node,
         }
 
 

@@ -236,7 +236,7 @@ def test_a_cpu_kill_and_an_rss_kill(tmp_path: Path) -> None:
         assert error_text(r).startswith("Process ")
         cpu = r.structured_content
         assert cpu is not None and cpu["reason"] == "cpu"
-        assert cpu["value"] >= cpu["limit"] == 91.0
+        assert cpu["value"] >= cpu["limit"] == 97.0  # a 1 s window: two 10 ms ticks and 1%
         assert isinstance(cpu["pid"], int) and cpu["exit_code"] == 137
 
         tag = marker()

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 import devs_sandbox
-from devs_sandbox import cli
+from devs_sandbox.cli import main as cli
 
 pytestmark = pytest.mark.unit
 

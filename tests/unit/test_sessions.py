@@ -18,11 +18,12 @@ from devs_sandbox.errors import (
     SessionLimitError,
 )
 from devs_sandbox.lifecycle import SandboxLifecycleManager
+from devs_sandbox.lifecycle.sampling import ScriptedProcessStats
+from devs_sandbox.lifecycle.timeout import SandboxTimeoutEnforcer
 from devs_sandbox.models import DetectionRule, ExecResult, TreeSample, Violation, ViolationType
-from devs_sandbox.monitor.shell import MonitoredShellOptions, ScriptedProcessStats
 from devs_sandbox.scheduler import FakeScheduler
-from devs_sandbox.sessions import ENDED_MEMORY, SandboxSessions, ServerClosingError
-from devs_sandbox.timeout import SandboxTimeoutEnforcer
+from devs_sandbox.tools.sessions import ENDED_MEMORY, SandboxSessions, ServerClosingError
+from devs_sandbox.tools.shell import MonitoredShellOptions
 
 pytestmark = pytest.mark.unit
 CFG = SandboxLifecycleConfig(driver="fake")
@@ -217,7 +218,7 @@ def test_an_exec_timeout_raises_with_the_partial_result() -> None:
             stats=ScriptedProcessStats([PRIME]),
             scheduler=sched,
         )
-    assert err.value.timeout_ms == 5_000
+    assert err.value.timeout_s == pytest.approx(5.0)
     assert err.value.result is not None and err.value.result.stdout.text == "partial\n"
     assert sessions.ids() == [sb.id]
 

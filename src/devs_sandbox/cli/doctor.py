@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from devs_sandbox.config import DevsConfig, default_db_path
-from devs_sandbox.isolation import probe_host
+from devs_sandbox.isolation import reprobe
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ def diagnose(config: DevsConfig) -> dict[str, Any]:
     """Machine-readable report: host facts, and each mechanism's status and reason."""
     from devs_sandbox.drivers.process import ProcessDriver  # noqa: PLC0415
 
-    host = probe_host()
+    host = reprobe()  # never the cached verdicts: this is where an operator checks them
     driver = ProcessDriver(host=host)
     report = driver.isolation_report(config.sandbox)
     hints = dict(HINTS)
@@ -64,7 +64,7 @@ def diagnose(config: DevsConfig) -> dict[str, Any]:
         "unified_mount": str(cg.unified) if cg.unified else None,
         "v1_mounts": {k: str(v) for k, v in cg.mounts.items()},
     }
-    uid, _ = driver._run_as(config.sandbox)
+    uid, _ = driver.sandbox_user(config.sandbox)
     bw = host.bwrap_for(uid)
     launcher = driver.namespace_launcher(config.sandbox)
     unshare_ok, unshare_why = host.nsinit_for(uid)

@@ -14,17 +14,14 @@ a timer, a signal handler, the MCP server's shutdown) is a no-op.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import signal
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
-from typing import Any, Final, Literal
+from typing import Any, Literal
 
-from devs_sandbox.base import ExecRequest, OutputCallback, SandboxDriver
+from devs_sandbox.base import OutputCallback, SandboxDriver
 from devs_sandbox.config import DevsConfig, SandboxLifecycleConfig, default_db_path, override
 from devs_sandbox.drivers import create_driver
 from devs_sandbox.errors import (
@@ -37,16 +34,17 @@ from devs_sandbox.errors import (
     UnsupportedRuntimeError,
 )
 from devs_sandbox.events import EventBus, SandboxEvents
+from devs_sandbox.lifecycle.sandbox import Sandbox
+from devs_sandbox.lifecycle.timeout import SandboxTimeoutEnforcer
+from devs_sandbox.lifecycle.watchdog import ResourceDrainDetector
 from devs_sandbox.models import (
     DetectionRule,
     ExecResult,
-    SandboxContext,
     SandboxOutcome,
     Violation,
     ViolationType,
     new_sandbox_id,
 )
-from devs_sandbox.monitor.drain import ResourceDrainDetector
 from devs_sandbox.runtimes import RuntimeCompatibilityChecker
 from devs_sandbox.security.environment import EnvironmentSanitizer
 from devs_sandbox.security.session_keys import (
@@ -56,12 +54,10 @@ from devs_sandbox.security.session_keys import (
     wipe,
 )
 from devs_sandbox.store import ViolationStore
-from devs_sandbox.timeout import SandboxTimeoutEnforcer
 
 logger = logging.getLogger(__name__)
 
-Task = str | Sequence[str] | Callable[["Sandbox"], ExecResult]
-CANCEL_JOIN_S: Final = 10.0  # after a cancel kill, the run thread returns in ms; bound it
+Task = str | Sequence[str] | Callable[[Sandbox], ExecResult]
 
 
 def _argv(command: str | Sequence[str]) -> list[str]:
@@ -73,115 +69,6 @@ def _argv(command: str | Sequence[str]) -> list[str]:
     if not argv:
         raise ValueError("command must not be empty")
     return argv
-
-
-class Sandbox:
-    """A live sandbox owned by a manager: exec in it, inspect it, destroy it (idempotent)."""
-
-    def __init__(
-        self,
-        manager: SandboxLifecycleManager,
-        driver: SandboxDriver,
-        ctx: SandboxContext,
-        config: SandboxLifecycleConfig,
-    ) -> None:
-        self.manager = manager
-        self.driver = driver
-        self.context = ctx
-        self.config = config
-        self.opened_at = time.monotonic()
-        self.last_activity = self.opened_at
-        self._destroyed = False
-        self._destroy_lock = threading.Lock()
-        self.cancelled = False
-
-    @property
-    def id(self) -> str:
-        return self.context.id
-
-    @property
-    def isolation(self) -> tuple[str, ...]:
-        return self.context.isolation
-
-    @property
-    def workspace(self) -> Path:
-        return self.context.workspace
-
-    @property
-    def destroyed(self) -> bool:
-        return self._destroyed
-
-    @property
-    def timed_out(self) -> bool:
-        return self.manager.enforcer.fired(self.id)
-
-    @property
-    def violation(self) -> Violation | None:
-        return self.manager.detector.violation_for(self.id)
-
-    def remaining_s(self) -> float:
-        return self.config.timeout_ms / 1000 - (time.monotonic() - self.opened_at)
-
-    def exec(self, command: str | Sequence[str] | ExecRequest, **options: Any) -> ExecResult:
-        """Run one command in this sandbox's workspace (a str goes through ``sh -c``).
-
-        ``options`` are the fields of ``ExecRequest`` (``timeout_s``, ``stdin``, ``env``,
-        ``on_stdout``, ...): the request is the one place the exec signature lives.
-
-        A sandbox whose total timeout fired, that broke a quota or was cancelled runs
-        nothing more: a multi-step task is stopped at its next exec, not only the exec
-        that was running when the limit struck.
-        """
-        if self._destroyed:
-            raise SandboxNotFoundError(self.id)
-        self._refuse_if_ended()
-        if isinstance(command, ExecRequest):
-            request = command.replace(**options) if options else command
-        else:
-            request = ExecRequest.of(command, **options)
-        self.manager.runtimes.check(self.driver, self.config, request.argv)
-        self.last_activity = time.monotonic()
-        try:
-            return self.driver.exec(self.context, request)
-        finally:
-            self.last_activity = time.monotonic()
-
-    def _refuse_if_ended(self) -> None:
-        if self.cancelled:
-            raise SandboxCancelledError(f"sandbox {self.id} was cancelled")
-        if self.timed_out:
-            raise SandboxTimeoutError(self.config.timeout_ms)
-        violation = self.manager.detector.violation_for(self.id, settle_timeout_s=0)
-        if violation is not None:
-            if violation.type == ViolationType.DISK_QUOTA_EXCEEDED:
-                raise DiskQuotaExceededError(violation)
-            raise QuotaExceededError(violation)
-
-    def kill(self) -> None:
-        """SIGKILL every process of the sandbox (what the timeout enforcer calls)."""
-        self.driver.force_stop(self.context)
-
-    def destroy(self) -> None:
-        with self._destroy_lock:
-            if self._destroyed:
-                return
-            self._destroyed = True
-        try:
-            self.manager.enforcer.clear(self.id)
-            self.manager.detector.forget(self.id)
-        finally:
-            try:
-                self.driver.destroy(self.context)
-            finally:
-                self.manager.keys.revoke_key(self.id)
-                self.manager._forget(self)
-                self.manager.bus.emit(SandboxEvents.DESTROYED, {"sandbox_id": self.id})
-
-    def __enter__(self) -> Sandbox:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.destroy()
 
 
 # REQ: 8_RISKS-REQ-123
@@ -200,7 +87,10 @@ class SandboxLifecycleManager:
         detector: ResourceDrainDetector | None = None,
         reap_orphans: bool = True,
         key_manager: SessionKeyManager | None = None,
+        host_env: Mapping[str, str] | None = None,
     ) -> None:
+        """``host_env``: the environment sandboxes may take harmless variables from
+        (through the sanitizer); default this process's."""
         self.config = config or DevsConfig()
         self.bus = bus or EventBus()
         if store == "default":
@@ -209,7 +99,7 @@ class SandboxLifecycleManager:
         if self.store is not None:
             self.store.attach(self.bus)
         self.enforcer = enforcer or SandboxTimeoutEnforcer(
-            self.config.sandbox.timeout_ms, bus=self.bus
+            self.config.sandbox.timeout_s, bus=self.bus
         )
         if self.enforcer.bus is None:
             self.enforcer.bus = self.bus
@@ -222,6 +112,7 @@ class SandboxLifecycleManager:
         self.keys = key_manager or session_key_manager
         env_cfg = self.config.environment
         self.sanitizer = EnvironmentSanitizer(env_cfg.extra_allow, env_cfg.extra_deny)
+        self._host_env = host_env
         self._reap = reap_orphans
         self._reaped: set[str] = set()
         self._live: dict[str, Sandbox] = {}
@@ -234,12 +125,14 @@ class SandboxLifecycleManager:
         with self._lock:
             driver = self._drivers.get(config.driver)
             if driver is None:
-                kwargs: dict[str, Any] = {"emit": self.bus.emit}
-                if config.driver == "process":
-                    kwargs["sanitizer"] = self.sanitizer
-                if config.driver == "kubernetes":  # the cluster it binds to (and reaps in)
-                    kwargs["kubernetes"] = config.kubernetes
-                driver = create_driver(config.driver, **kwargs)
+                driver = create_driver(
+                    config.driver,
+                    emit=self.bus.emit,
+                    sanitizer=self.sanitizer,
+                    host_env=self._host_env,
+                    # the cluster it binds to (and reaps in)
+                    kubernetes=config.kubernetes if config.driver == "kubernetes" else None,
+                )
                 self._drivers[config.driver] = driver
         return driver
 
@@ -332,9 +225,9 @@ class SandboxLifecycleManager:
         with self._lock:
             self._live[ctx.id] = sandbox
         try:
-            self.enforcer.watch(sandbox, ctx.id, cfg.timeout_ms)
+            self.enforcer.watch(sandbox, ctx.id, cfg.timeout_s)
             self.detector.register(ctx, cfg.quotas, driver)
-            self.detector.start_polling(ctx.id, cfg.quotas.poll_interval_ms)
+            self.detector.start_polling(ctx.id, cfg.quotas.poll_interval_s)
             self.bus.emit(
                 SandboxEvents.CREATED,
                 {
@@ -348,6 +241,10 @@ class SandboxLifecycleManager:
             sandbox.destroy()
             raise
         return sandbox
+
+    def release(self, sandbox: Sandbox) -> None:
+        """Forget a destroyed sandbox (``Sandbox.destroy`` calls this)."""
+        self._forget(sandbox)
 
     def _forget(self, sandbox: Sandbox) -> None:
         with self._lock:
@@ -418,7 +315,7 @@ class SandboxLifecycleManager:
         preflight: list[ExecResult] = []
         try:
             self.run_preflight(sandbox, cfg, preflight)
-            idle = None if cfg.idle_timeout_ms is None else cfg.idle_timeout_ms / 1000
+            idle = cfg.idle_timeout_s
             if callable(task):
                 result = task(sandbox)
             else:
@@ -432,7 +329,7 @@ class SandboxLifecycleManager:
             if result.idle_timed_out:
                 self.bus.emit(
                     SandboxEvents.IDLE_TIMEOUT,
-                    {"sandbox_id": sandbox.id, "idle_timeout_ms": cfg.idle_timeout_ms},
+                    {"sandbox_id": sandbox.id, "idle_timeout_s": cfg.idle_timeout_s},
                 )
             return self._conclude(sandbox, cfg, result, tuple(preflight))
         finally:
@@ -451,7 +348,7 @@ class SandboxLifecycleManager:
         results = [] if results is None else results
         if not cfg.preflight_commands:
             return
-        budget_end = time.monotonic() + cfg.preflight_timeout_ms / 1000
+        budget_end = time.monotonic() + cfg.preflight_timeout_s
         for command in cfg.preflight_commands:
             remaining = budget_end - time.monotonic()
             if remaining <= 0:
@@ -468,8 +365,8 @@ class SandboxLifecycleManager:
                     sandbox,
                     command,
                     result,
-                    f"preflight command timed out after {cfg.preflight_timeout_ms} ms "
-                    "(preflightTimeoutMs)",
+                    f"preflight command timed out after {cfg.preflight_timeout_s:g} s "
+                    "(sandbox.preflightTimeoutMs)",
                 )
             if result.exit_code != 0:
                 self._preflight_failed(
@@ -539,13 +436,14 @@ class SandboxLifecycleManager:
             cancelled=sandbox.cancelled,
             preflight=preflight,
             warnings=sandbox.context.warnings,
+            node=sandbox.context.node,
         )
         if sandbox.cancelled:
             raise SandboxCancelledError(f"sandbox {sandbox.id} was cancelled", outcome)
         if timed_out:
             idle = result.idle_timed_out and not sandbox.timed_out
-            ms = cfg.idle_timeout_ms if idle and cfg.idle_timeout_ms else cfg.timeout_ms
-            raise SandboxTimeoutError(ms, outcome, idle=idle)
+            seconds = cfg.idle_timeout_s if idle and cfg.idle_timeout_s else cfg.timeout_s
+            raise SandboxTimeoutError(seconds, outcome, idle=idle)
         if violation is not None:
             error = (
                 DiskQuotaExceededError(violation, outcome)
@@ -570,21 +468,17 @@ class SandboxLifecycleManager:
         config: SandboxLifecycleConfig | None = None,
         **kwargs: Any,
     ) -> SandboxOutcome:
-        """Async edge: the run happens on a worker thread; cancelling this coroutine kills and
-        destroys the sandbox before the CancelledError propagates."""
+        """Async edge: the run happens on a worker thread (``aio.run_blocking``); cancelling
+        this coroutine kills and destroys the sandbox before the CancelledError propagates."""
         cfg = config or self.config.sandbox
         if cfg.sandbox_id is None:
             cfg = override(cfg, sandbox_id=new_sandbox_id())
-        assert cfg.sandbox_id is not None
         sandbox_id = cfg.sandbox_id
-        future = asyncio.ensure_future(asyncio.to_thread(self.run_in_sandbox, task, cfg, **kwargs))
-        try:
-            return await asyncio.shield(future)
-        except asyncio.CancelledError:
-            # The run may still be provisioning: keep cancelling until it is gone.
-            deadline = time.monotonic() + CANCEL_JOIN_S
-            while not future.done() and time.monotonic() < deadline:
-                self.cancel(sandbox_id)
-                with contextlib.suppress(BaseException):
-                    await asyncio.wait_for(asyncio.shield(future), 0.05)
-            raise
+        assert sandbox_id is not None
+        from devs_sandbox.lifecycle.aio import run_blocking  # noqa: PLC0415 - asyncio, lazily
+
+        return await run_blocking(
+            lambda: self.run_in_sandbox(task, cfg, **kwargs),
+            on_cancel=lambda: self.cancel(sandbox_id),
+            name=f"devs-sandbox-run-{sandbox_id}",
+        )

@@ -9,7 +9,6 @@ cgroup or pid namespace.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 from collections.abc import Awaitable, Callable
@@ -33,14 +32,14 @@ class SandboxTimeoutEnforcer:
 
     def __init__(
         self,
-        timeout_ms: int = DEFAULT_TIMEOUT_MS,
+        timeout_s: float = DEFAULT_TIMEOUT_MS / 1000,
         *,
         bus: EventBus | None = None,
         scheduler: Scheduler | None = None,
     ) -> None:
-        if timeout_ms <= 0:
-            raise ValueError("timeout_ms must be positive")
-        self.timeout_ms = timeout_ms
+        if not timeout_s > 0:
+            raise ValueError("timeout_s must be positive")
+        self.timeout_s = timeout_s
         self.bus = bus
         self._scheduler = scheduler
         self._timers: dict[str, TimerHandle] = {}
@@ -53,11 +52,11 @@ class SandboxTimeoutEnforcer:
             self._scheduler = default_scheduler()
         return self._scheduler
 
-    def watch(self, proc: Killable, sandbox_id: str, timeout_ms: int | None = None) -> None:
-        """Kill ``proc`` with SIGKILL after ``timeout_ms`` (default: the enforcer's)."""
-        ms = self.timeout_ms if timeout_ms is None else timeout_ms
-        if ms <= 0:
-            raise ValueError("timeout_ms must be positive")
+    def watch(self, proc: Killable, sandbox_id: str, timeout_s: float | None = None) -> None:
+        """Kill ``proc`` with SIGKILL after ``timeout_s`` (default: the enforcer's)."""
+        seconds = self.timeout_s if timeout_s is None else timeout_s
+        if not seconds > 0:
+            raise ValueError("timeout_s must be positive")
 
         def expire() -> None:
             with self._lock:
@@ -72,13 +71,15 @@ class SandboxTimeoutEnforcer:
             except Exception:
                 logger.exception("timeout kill of sandbox %s failed", sandbox_id)
             if self.bus is not None:
-                self.bus.emit(SandboxEvents.TIMEOUT, {"sandbox_id": sandbox_id, "timeout_ms": ms})
+                self.bus.emit(
+                    SandboxEvents.TIMEOUT, {"sandbox_id": sandbox_id, "timeout_s": seconds}
+                )
 
         handle_box: list[TimerHandle | None] = [None]
         with self._lock:
             previous = self._timers.pop(sandbox_id, None)
             self._fired.discard(sandbox_id)
-            handle = self.scheduler.call_later(ms / 1000.0, expire)
+            handle = self.scheduler.call_later(seconds, expire)
             handle_box[0] = handle
             self._timers[sandbox_id] = handle
         if previous is not None:
@@ -108,7 +109,7 @@ def with_execution_timeout(
     call: Callable[[], T],
     *,
     kill: Callable[[], None],
-    timeout_ms: int = DEFAULT_TIMEOUT_MS,
+    timeout_s: float = DEFAULT_TIMEOUT_MS / 1000,
 ) -> T:
     """Run ``call`` (one exec) with its own deadline; on expiry ``kill`` its work and raise.
 
@@ -116,8 +117,8 @@ def with_execution_timeout(
     must make it return (it kills the exec's processes), and then ExecTimeoutError is
     raised here. The call is never left running behind the caller's back.
     """
-    if timeout_ms <= 0:
-        raise ValueError("timeout_ms must be positive")
+    if not timeout_s > 0:
+        raise ValueError("timeout_s must be positive")
     box: dict[str, object] = {}
 
     def target() -> None:
@@ -128,11 +129,11 @@ def with_execution_timeout(
 
     worker = threading.Thread(target=target, name="devs-sandbox-exec", daemon=True)
     worker.start()
-    worker.join(timeout_ms / 1000.0)
+    worker.join(timeout_s)
     if worker.is_alive():
         kill()
         worker.join(JOIN_AFTER_KILL_S)
-        raise ExecTimeoutError(timeout_ms)
+        raise ExecTimeoutError(timeout_s)
     if "error" in box:
         raise box["error"]  # type: ignore[misc]
     return box["value"]  # type: ignore[return-value]
@@ -142,14 +143,16 @@ async def awith_execution_timeout(
     awaitable: Awaitable[T],
     *,
     kill: Callable[[], None] | None = None,
-    timeout_ms: int = DEFAULT_TIMEOUT_MS,
+    timeout_s: float = DEFAULT_TIMEOUT_MS / 1000,
 ) -> T:
     """Async form: await with a deadline; on expiry call ``kill`` and raise ExecTimeoutError."""
-    if timeout_ms <= 0:
-        raise ValueError("timeout_ms must be positive")
+    import asyncio  # noqa: PLC0415 - only async callers pay for asyncio
+
+    if not timeout_s > 0:
+        raise ValueError("timeout_s must be positive")
     try:
-        return await asyncio.wait_for(awaitable, timeout_ms / 1000.0)
+        return await asyncio.wait_for(awaitable, timeout_s)
     except TimeoutError:
         if kill is not None:
             kill()
-        raise ExecTimeoutError(timeout_ms) from None
+        raise ExecTimeoutError(timeout_s) from None

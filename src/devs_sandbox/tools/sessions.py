@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -30,7 +29,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from devs_sandbox.base import ProcessStatsSource, Scheduler, TimerHandle
-from devs_sandbox.config import McpConfig, SandboxLifecycleConfig, override
+from devs_sandbox.config import McpConfig, SandboxLifecycleConfig, ms_from_s, override
 from devs_sandbox.errors import (
     DevsSandboxError,
     ExecTimeoutError,
@@ -40,8 +39,8 @@ from devs_sandbox.errors import (
 )
 from devs_sandbox.lifecycle import Sandbox, SandboxLifecycleManager
 from devs_sandbox.models import ExecResult
-from devs_sandbox.monitor.shell import MonitoredShellOptions, monitored_exec
 from devs_sandbox.scheduler import ThreadScheduler
+from devs_sandbox.tools.shell import MonitoredShellOptions, monitored_exec
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +132,7 @@ class SandboxSessions:
         try:
             base = config if config is not None else self.manager.config.sandbox
             # Its total timeout is the session's lifetime: the sweep destroys it then too.
-            cfg = override(base, timeout_ms=max(1, math.ceil(self.total_timeout_s * 1000)))
+            cfg = override(base, timeout_ms=ms_from_s(self.total_timeout_s))
             sandbox = self.manager.open_sandbox(cfg)
         except BaseException:
             with self._lock:
@@ -213,7 +212,7 @@ class SandboxSessions:
             )
             self._check_alive(sandbox)
         if result.timed_out:
-            raise ExecTimeoutError(max(1, math.ceil(budget * 1000)), result)
+            raise ExecTimeoutError(budget, result)
         return result
 
     def _check_alive(self, sandbox: Sandbox) -> None:

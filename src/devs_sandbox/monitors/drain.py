@@ -10,46 +10,31 @@ Three layers, each recorded with the rule that fired:
   projected conservatively from the slowest recent step, so a file bomb is
   stopped before it gets there.
 
-``enforce_quota`` terminates through the driver first and only then tells the
-world (events, store): a failing listener or store cannot keep a hostile
-sandbox alive. It is idempotent under races: the first violation for a sandbox
-wins, later ones are ignored.
-
-``ResourceDrainDetector`` polls each registered sandbox on its own scheduler
-thread (separate from the timeout timers, so a slow walk never delays a kill),
-and stops polling on the first violation or when the sandbox is destroyed.
+Everything here is pure: thresholds and growth are functions of samples, and
+``DrainPolicy`` applies all three layers to one ``SandboxMetrics``. Polling the
+driver, killing and publishing belong to the lifecycle's watchdog
+(``lifecycle.watchdog.ResourceDrainDetector``).
 """
 
 from __future__ import annotations
 
 import itertools
-import logging
-import threading
 from collections import deque
-from dataclasses import dataclass, field, replace
-from typing import Any, Final, Protocol
+from dataclasses import dataclass
+from typing import Final
 
-from devs_sandbox.base import Scheduler, TimerHandle
 from devs_sandbox.config import (
     DEFAULT_DIRECTORY_DEPTH_LIMIT,
     DEFAULT_FILE_COUNT_LIMIT,
-    DEFAULT_POLL_INTERVAL_MS,
     DEFAULT_PROCESS_COUNT_LIMIT,
     QuotaConfig,
 )
-from devs_sandbox.errors import SandboxNotFoundError
-from devs_sandbox.events import EventBus, SandboxEvents
 from devs_sandbox.models import (
     DetectionRule,
-    SandboxContext,
     SandboxMetrics,
     Violation,
     ViolationType,
-    utc_now_iso,
 )
-from devs_sandbox.scheduler import shared_scheduler
-
-logger = logging.getLogger(__name__)
 
 HISTORY: Final = 16  # samples kept per metric for the growth rule
 
@@ -161,163 +146,29 @@ def check_growth(
     return projected >= limit, projected
 
 
-class MetricsSource(Protocol):
-    """What the detector needs of a driver (``SandboxDriver`` satisfies it)."""
+class DrainPolicy:
+    """The drain rules of one sandbox, as a pure policy: ``check(sample) -> verdict``.
 
-    def get_metrics(self, ctx: SandboxContext) -> SandboxMetrics: ...
+    No I/O, no killing, no publishing: the lifecycle's watchdog samples the driver, asks
+    the policy, and acts. Its only state is the growth rule's recent history.
+    """
 
-    def force_stop(self, ctx: SandboxContext) -> None: ...
+    def __init__(self, sandbox_id: str, quotas: QuotaConfig) -> None:
+        self.sandbox_id = sandbox_id
+        self.quotas = quotas
+        self.history: dict[str, deque[int]] = {}
+        self.ticks = 0
 
-
-@dataclass
-class _Watched:
-    ctx: SandboxContext
-    quotas: QuotaConfig
-    source: MetricsSource
-    history: dict[str, deque[int]] = field(default_factory=dict)
-    timer: TimerHandle | None = None
-    interval_s: float = DEFAULT_POLL_INTERVAL_MS / 1000
-    polling: bool = False
-    ticks: int = 0
-
-
-class ResourceDrainDetector:
-    """Polls registered sandboxes, checks every rule, enforces the first violation."""
-
-    def __init__(
-        self,
-        *,
-        bus: EventBus | None = None,
-        scheduler: Scheduler | None = None,
-    ) -> None:
-        self.bus = bus or EventBus()
-        self._scheduler = scheduler
-        self._lock = threading.RLock()
-        self._watched: dict[str, _Watched] = {}
-        self._terminated: set[str] = set()
-        self._violations: dict[str, Violation] = {}
-        self._settled: dict[str, threading.Event] = {}
-
-    @property
-    def scheduler(self) -> Scheduler:
-        if self._scheduler is None:
-            self._scheduler = shared_scheduler("devs-sandbox-drain")
-        return self._scheduler
-
-    # -- registration --------------------------------------------------------------------
-    def register(self, ctx: SandboxContext, quotas: QuotaConfig, source: MetricsSource) -> None:
-        """Make ``ctx`` known so that ``start_polling(ctx.id)`` and ``enforce_quota`` can act."""
-        with self._lock:
-            self._watched[ctx.id] = _Watched(ctx, quotas, source)
-
-    def forget(self, sandbox_id: str) -> None:
-        """Stop polling and drop all state of a destroyed sandbox."""
-        self.stop_polling(sandbox_id)
-        with self._lock:
-            self._watched.pop(sandbox_id, None)
-            self._terminated.discard(sandbox_id)
-            self._violations.pop(sandbox_id, None)
-            self._settled.pop(sandbox_id, None)
-
-    def start_polling(self, sandbox_id: str, interval_ms: int = DEFAULT_POLL_INTERVAL_MS) -> None:
-        if interval_ms <= 0:
-            raise ValueError("interval_ms must be positive")
-        with self._lock:
-            w = self._watched.get(sandbox_id)
-            if w is None:
-                raise SandboxNotFoundError(sandbox_id)
-            if w.timer is not None:
-                w.timer.cancel()
-            w.interval_s = interval_ms / 1000
-            w.polling = True
-            w.timer = self.scheduler.call_later(w.interval_s, lambda: self._tick(sandbox_id))
-
-    def stop_polling(self, sandbox_id: str) -> None:
-        """Unknown ids and repeated calls are fine."""
-        with self._lock:
-            w = self._watched.get(sandbox_id)
-            if w is None:
-                return
-            w.polling = False
-            if w.timer is not None:
-                w.timer.cancel()
-                w.timer = None
-
-    def is_polling(self, sandbox_id: str) -> bool:
-        with self._lock:
-            w = self._watched.get(sandbox_id)
-            return w is not None and w.polling
-
-    def polling_count(self) -> int:
-        with self._lock:
-            return sum(1 for w in self._watched.values() if w.polling)
-
-    def violation_for(self, sandbox_id: str, *, settle_timeout_s: float = 5.0) -> Violation | None:
-        """The violation that terminated ``sandbox_id``, once its events and record are out.
-
-        A run that sees its sandbox die waits here (bounded) so that, when it returns,
-        the violation is already in the store.
-        """
-        with self._lock:
-            record = self._violations.get(sandbox_id)
-            settled = self._settled.get(sandbox_id)
-        if record is not None and settled is not None:
-            settled.wait(settle_timeout_s)
-            with self._lock:
-                record = self._violations.get(sandbox_id, record)
-        return record
-
-    # -- polling ---------------------------------------------------------------------------
-    def _tick(self, sandbox_id: str) -> None:
-        with self._lock:
-            w = self._watched.get(sandbox_id)
-            if w is None or not w.polling:
-                return
-            w.timer = None
-        verdict = self.poll_once(sandbox_id)
-        with self._lock:
-            w = self._watched.get(sandbox_id)
-            if w is None or not w.polling:
-                return
-            if verdict is not None and verdict.violated:
-                w.polling = False
-                return
-            w.timer = self.scheduler.call_later(w.interval_s, lambda: self._tick(sandbox_id))
-
-    def poll_once(self, sandbox_id: str) -> QuotaViolation | None:
-        """Sample once, evaluate, enforce on a violation. ``None`` if nothing could be read."""
-        with self._lock:
-            w = self._watched.get(sandbox_id)
-        if w is None:
-            return None
-        try:
-            metrics = w.source.get_metrics(w.ctx)
-        except SandboxNotFoundError:
-            self.stop_polling(sandbox_id)
-            return None
-        except Exception:
-            logger.exception("sampling sandbox %s failed", sandbox_id)
-            return None
-        verdict = self.evaluate(sandbox_id, metrics)
-        if verdict.violated:
-            self.enforce_quota(verdict)
-        return verdict
-
-    def evaluate(
-        self, sandbox_id: str, m: SandboxMetrics, *, growth: bool = True
-    ) -> QuotaViolation:
+    def check(self, m: SandboxMetrics, *, growth: bool = True) -> QuotaViolation:
         """Apply the kernel, threshold and (a poll tick only) growth rules to one sample.
 
         ``growth=False`` is the lifecycle's check after the task ended: a finished task's
         trend predicts nothing, and that sample must not enter the history.
         """
-        with self._lock:
-            w = self._watched.get(sandbox_id)
-        if w is None:
-            return QuotaViolation.ok(sandbox_id)
-        q = w.quotas
+        sandbox_id = self.sandbox_id
+        q = self.quotas
         if growth:
-            w.ticks += 1
+            self.ticks += 1
         # 1. The kernel held a line: report it (overshoot was zero).
         if m.oom_kills:
             return QuotaViolation(
@@ -412,7 +263,7 @@ class ResourceDrainDetector:
         ):
             if value is None:
                 continue
-            hist = w.history.setdefault(key, deque(maxlen=HISTORY))
+            hist = self.history.setdefault(key, deque(maxlen=HISTORY))
             hist.append(value)
             if key not in q.growth_metrics:
                 continue
@@ -434,62 +285,3 @@ class ResourceDrainDetector:
                     f"{q.growth_lookahead_ticks} tick(s)",
                 )
         return QuotaViolation.ok(sandbox_id)
-
-    # -- enforcement -----------------------------------------------------------------------
-    # REQ: 5_SECURITY_DESIGN-REQ-SEC-THR-003
-    def enforce_quota(self, violation: QuotaViolation | Violation) -> bool:
-        """Terminate the sandbox, then emit and record; True if this call terminated it.
-
-        The first violation for a sandbox wins; a concurrent or later one returns False
-        without a second termination or a second record.
-        """
-        record = violation.to_violation() if isinstance(violation, QuotaViolation) else violation
-        sandbox_id = record.sandbox_id
-        with self._lock:
-            if sandbox_id in self._terminated:
-                return False
-            self._terminated.add(sandbox_id)
-            # Recorded before the kill: whoever sees the sandbox die must find the reason.
-            self._violations[sandbox_id] = record
-            settled = self._settled[sandbox_id] = threading.Event()
-            w = self._watched.get(sandbox_id)
-            if w is not None:
-                w.polling = False
-                if w.timer is not None:
-                    w.timer.cancel()
-                    w.timer = None
-        # Terminate first: nothing below may keep a draining sandbox alive.
-        if w is not None:
-            try:
-                w.source.force_stop(w.ctx)
-            except Exception:
-                logger.exception("terminating sandbox %s failed", sandbox_id)
-        else:
-            logger.error("violation for unknown sandbox %s: cannot terminate it", sandbox_id)
-        terminated_at = utc_now_iso()
-        record = replace(record, terminated_at=terminated_at)
-        with self._lock:
-            self._violations[sandbox_id] = record
-        logger.warning(
-            "sandbox %s terminated: %s observed=%s limit=%s rule=%s",
-            sandbox_id,
-            record.type,
-            record.observed_value,
-            record.limit_value,
-            record.rule,
-        )
-        payload: dict[str, Any] = {
-            "sandbox_id": sandbox_id,
-            "violation": record,
-            "terminated_at": terminated_at,
-        }
-        self.bus.emit(SandboxEvents.RESOURCE_DRAIN, payload)
-        self.bus.emit(
-            SandboxEvents.SECURITY_PAUSE,
-            {"sandbox_id": sandbox_id, "reason": str(record.type), "terminated_at": terminated_at},
-        )
-        try:
-            self.bus.emit(SandboxEvents.VIOLATION, payload)
-        finally:
-            settled.set()
-        return True

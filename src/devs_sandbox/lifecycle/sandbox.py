@@ -1,0 +1,139 @@
+"""A live sandbox owned by a manager: exec in it, inspect it, destroy it (idempotent).
+
+A sandbox whose total timeout fired, that broke a quota or was cancelled runs nothing
+more: a multi-step task is stopped at its next exec, not only at the exec that was
+running when the limit struck. ``destroy`` is guarded, so a second call (from a timer,
+a signal handler, the MCP server's shutdown) is a no-op.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from devs_sandbox.base import ExecRequest, SandboxDriver
+from devs_sandbox.config import SandboxLifecycleConfig
+from devs_sandbox.errors import (
+    DiskQuotaExceededError,
+    QuotaExceededError,
+    SandboxCancelledError,
+    SandboxNotFoundError,
+    SandboxTimeoutError,
+)
+from devs_sandbox.events import SandboxEvents
+from devs_sandbox.models import ExecResult, SandboxContext, Violation, ViolationType
+
+if TYPE_CHECKING:
+    from devs_sandbox.lifecycle.manager import SandboxLifecycleManager
+
+
+class Sandbox:
+    """A live sandbox owned by a manager: exec in it, inspect it, destroy it (idempotent)."""
+
+    def __init__(
+        self,
+        manager: SandboxLifecycleManager,
+        driver: SandboxDriver,
+        ctx: SandboxContext,
+        config: SandboxLifecycleConfig,
+    ) -> None:
+        self.manager = manager
+        self.driver = driver
+        self.context = ctx
+        self.config = config
+        self.opened_at = time.monotonic()
+        self.last_activity = self.opened_at
+        self._destroyed = False
+        self._destroy_lock = threading.Lock()
+        self.cancelled = False
+
+    @property
+    def id(self) -> str:
+        return self.context.id
+
+    @property
+    def isolation(self) -> tuple[str, ...]:
+        return self.context.isolation
+
+    @property
+    def workspace(self) -> Path:
+        return self.context.workspace
+
+    @property
+    def destroyed(self) -> bool:
+        return self._destroyed
+
+    @property
+    def timed_out(self) -> bool:
+        return self.manager.enforcer.fired(self.id)
+
+    @property
+    def violation(self) -> Violation | None:
+        return self.manager.detector.violation_for(self.id)
+
+    def remaining_s(self) -> float:
+        return self.config.timeout_s - (time.monotonic() - self.opened_at)
+
+    def exec(self, command: str | Sequence[str] | ExecRequest, **options: Any) -> ExecResult:
+        """Run one command in this sandbox's workspace (a str goes through ``sh -c``).
+
+        ``options`` are the fields of ``ExecRequest`` (``timeout_s``, ``stdin``, ``env``,
+        ``on_stdout``, ...): the request is the one place the exec signature lives.
+
+        A sandbox whose total timeout fired, that broke a quota or was cancelled runs
+        nothing more: a multi-step task is stopped at its next exec, not only the exec
+        that was running when the limit struck.
+        """
+        if self._destroyed:
+            raise SandboxNotFoundError(self.id)
+        self._refuse_if_ended()
+        if isinstance(command, ExecRequest):
+            request = command.replace(**options) if options else command
+        else:
+            request = ExecRequest.of(command, **options)
+        self.manager.runtimes.check(self.driver, self.config, request.argv)
+        self.last_activity = time.monotonic()
+        try:
+            return self.driver.exec(self.context, request)
+        finally:
+            self.last_activity = time.monotonic()
+
+    def _refuse_if_ended(self) -> None:
+        if self.cancelled:
+            raise SandboxCancelledError(f"sandbox {self.id} was cancelled")
+        if self.timed_out:
+            raise SandboxTimeoutError(self.config.timeout_s)
+        violation = self.manager.detector.violation_for(self.id, settle_timeout_s=0)
+        if violation is not None:
+            if violation.type == ViolationType.DISK_QUOTA_EXCEEDED:
+                raise DiskQuotaExceededError(violation)
+            raise QuotaExceededError(violation)
+
+    def kill(self) -> None:
+        """SIGKILL every process of the sandbox (what the timeout enforcer calls)."""
+        self.driver.force_stop(self.context)
+
+    def destroy(self) -> None:
+        with self._destroy_lock:
+            if self._destroyed:
+                return
+            self._destroyed = True
+        try:
+            self.manager.enforcer.clear(self.id)
+            self.manager.detector.forget(self.id)
+        finally:
+            try:
+                self.driver.destroy(self.context)
+            finally:
+                self.manager.keys.revoke_key(self.id)
+                self.manager.release(self)
+                self.manager.bus.emit(SandboxEvents.DESTROYED, {"sandbox_id": self.id})
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.destroy()
