@@ -498,13 +498,23 @@ def _add_mcp_parser(sub: Any) -> None:
         "mcp",
         help="serve the sandbox to agents over the Model Context Protocol",
         description="Serve the run_shell_monitored and sandbox_* tools over stdio (default) "
-        "or streamable HTTP. Every sandbox is destroyed when the server stops.",
+        "or streamable HTTP. Every sandbox is destroyed when the server stops. Over HTTP each "
+        "MCP session is a tenant: its sandboxes and violations are its own, and die with it.",
     )
     mcp.add_argument("--http", action="store_true", help="streamable HTTP instead of stdio")
     mcp.add_argument(
-        "--host", default="127.0.0.1", help="HTTP address to bind (default: 127.0.0.1)"
+        "--host",
+        default="127.0.0.1",
+        help="HTTP address to bind (default: 127.0.0.1); any but loopback needs --auth-token-file",
     )
     mcp.add_argument("--port", type=_port, default=8000, help="HTTP port (default: 8000)")
+    mcp.add_argument(
+        "--auth-token-file",
+        type=Path,
+        metavar="PATH",
+        help="HTTP: require 'Authorization: Bearer TOKEN' on every request, TOKEN being this "
+        "file's one line (mode 600, read once at start)",
+    )
     mcp.add_argument("--config", type=Path, metavar="PATH")
     mcp.add_argument("--db", type=Path, metavar="PATH", help="violation store (SQLite)")
 
@@ -528,15 +538,34 @@ def cmd_mcp(args: argparse.Namespace) -> int:
         raise DevsSandboxError(
             f"the MCP server needs the MCP SDK, which is not installed: {MCP_INSTALL_HINT}"
         ) from None
+    if args.auth_token_file is not None and not args.http:
+        raise UsageError(f"{PROG} mcp: --auth-token-file needs --http", EXIT_USAGE)
     file_cfg = load_config(args.config)
-    if args.http and args.host not in {"127.0.0.1", "localhost", "::1"}:
+    token = None
+    if args.http and args.auth_token_file is not None:
+        try:
+            token = mcp_server.read_auth_token(args.auth_token_file)
+        except ConfigError as exc:
+            raise UsageError(f"{PROG} mcp: {exc}", EXIT_CANNOT_RUN) from None
+    if args.http and token is None and not mcp_server.is_loopback(args.host):
+        raise UsageError(
+            f"{PROG} mcp: refusing to listen on {args.host} without --auth-token-file: anyone "
+            "who can reach it could run commands on this host",
+            EXIT_CANNOT_RUN,
+        )
+    if token is not None and not mcp_server.is_loopback(args.host):
         print(
-            f"{PROG} mcp: WARNING: listening on {args.host} lets anyone who can reach it run "
-            "commands on this host; the MCP endpoint has no authentication",
+            f"{PROG} mcp: WARNING: plain HTTP on {args.host} carries the token and every "
+            "command in clear text; put a TLS proxy in front of it",
             file=sys.stderr,
         )
     return mcp_server.serve(
-        file_cfg, db_path=_db_path(args, file_cfg), http=args.http, host=args.host, port=args.port
+        file_cfg,
+        db_path=_db_path(args, file_cfg),
+        http=args.http,
+        host=args.host,
+        port=args.port,
+        auth_token=token,
     )
 
 
