@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -99,6 +100,18 @@ def test_a_good_token_file(tmp_path: Path) -> None:
     missing = tmp_path / "nope"
     with pytest.raises(ConfigError, match=r"cannot read token file .*nope: No such file"):
         mcp_server.read_auth_token(missing)
+
+
+@pytest.mark.mcp
+@pytest.mark.root
+def test_a_token_file_of_another_user_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("mcp")
+    path = _token_file(tmp_path, "0123456789abcdef0123")
+    os.chown(path, 65534, 65534)
+    assert cli.main(["mcp", "--http", "--auth-token-file", str(path)]) == 125
+    assert "belongs to uid 65534, neither this user nor root" in capsys.readouterr().err
 
 
 @pytest.mark.mcp
