@@ -142,6 +142,7 @@ RULES: Final[Mapping[str, Rule]] = {
     "mcp.sessionIdleTimeoutS": Rule.LOWER,
     "mcp.sessionTimeoutS": Rule.LOWER,
     "mcp.maxSessions": Rule.LOWER,
+    "mcp.maxSessionsPerClient": Rule.LOWER,  # unset (no share per client) is the loosest
 }
 
 

@@ -117,15 +117,33 @@ def test_a_working_directory_file_that_weakens_is_refused_naming_key_and_file(
         ({"store": {"path": "/tmp/elsewhere.db"}}, "store.path"),
         ({"environment": {"extraAllow": ["DATABASE_URL"]}}, "environment.extraAllow"),
         ({"mcp": {"maxTimeoutS": 86_400}}, "mcp.maxTimeoutS"),
+        ({"sandbox": {"ray": {"address": "10.0.0.9:6379"}}}, "sandbox.ray.address"),
+        ({"sandbox": {"kubernetes": {"hostUsers": True, "appArmor": False}}}, None),
+        ({"sandbox": {"kubernetes": {"namespace": "prod"}}}, "sandbox.kubernetes.namespace"),
     ],
 )
 def test_weakening_outside_the_sandbox_section_is_refused_too(
-    places: dict[str, Path], data: dict[str, Any], key: str
+    places: dict[str, Path], data: dict[str, Any], key: str | None
 ) -> None:
     write(places["repo"] / "devs.config.json", data)
+    if key is None:  # the defaults restated: nothing weakened
+        load(places)
+        return
     with pytest.raises(UntrustedConfigError) as err:
         load(places)
     assert err.value.key == key
+
+
+def test_a_per_client_session_share_may_only_shrink(places: dict[str, Path]) -> None:
+    """Unset (any client may take every session) is the loosest: a repository may set a
+    share, or lower the operator's, never raise or unset it."""
+    write(places["user"], {"mcp": {"maxSessionsPerClient": 4}})
+    write(places["repo"] / "devs.config.json", {"mcp": {"maxSessionsPerClient": 2}})
+    assert load(places).config.mcp.max_sessions_per_client == 2
+    write(places["repo"] / "devs.config.json", {"mcp": {"maxSessionsPerClient": 8}})
+    with pytest.raises(UntrustedConfigError) as err:
+        load(places)
+    assert err.value.key == "mcp.maxSessionsPerClient"
 
 
 def test_a_tightening_working_directory_file_is_honoured(places: dict[str, Path]) -> None:
