@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -296,3 +297,21 @@ def test_stdin_option_feeds_the_command(tmp_path: Path) -> None:
     assert piped.stdout == "piped\n"
     default = run_cli("run", "--", "cat")
     assert default.stdout == "" and default.returncode == 0
+
+
+def test_a_reader_that_goes_away_is_not_an_error() -> None:
+    """`devs-sandbox doctor --json | head`: quiet, as a CLI killed by SIGPIPE (here the
+    reader, `true`, is gone before the CLI has imported itself)."""
+    proc = subprocess.run(
+        f"{sys.executable} -m devs_sandbox doctor --json | true; "
+        'echo "status=${PIPESTATUS[0]}" >&2',
+        shell=True,
+        executable="/bin/bash",
+        capture_output=True,
+        text=True,
+        env={**os.environ, "DEVS_SANDBOX_DAEMON": "0"},
+        timeout=60,
+        check=False,
+    )
+    assert "Error" not in proc.stderr and "internal error" not in proc.stderr, proc.stderr
+    assert "status=141" in proc.stderr

@@ -628,3 +628,27 @@ def test_cgroup_v2_caps_memory_and_processes(db_path: Path) -> None:
             config(quotas={"memory_bytes": 64 << 20}),
         )
     assert info.value.violation.type == "MEMORY_EXCEEDED"
+
+
+@pytest.mark.parametrize(
+    ("argv", "status", "words"),
+    [
+        (["no-such-command-xyz"], 127, "No such file or directory"),
+        (["/etc/passwd"], 126, "Permission denied"),
+        (["./missing.sh"], 127, "No such file or directory"),
+    ],
+)
+def test_a_command_that_cannot_run_exits_126_or_127_as_in_a_shell(
+    argv: list[str], status: int, words: str
+) -> None:
+    """As timeout(1) and docker run report it, at every isolation level (bwrap's own
+    'execvp' failure is exit 1: translated; the unshare launcher and the shim do it)."""
+    out = manager().run_in_sandbox(argv, config())
+    assert out.exit_code == status, out.result.stderr.text
+    assert words in out.result.stderr.text
+
+
+def test_a_task_that_exits_1_is_not_taken_for_a_missing_command() -> None:
+    script = "echo 'sh: 1: nope: not found' >&2; exit 1"
+    out = manager().run_in_sandbox(["sh", "-c", script], config())
+    assert out.exit_code == 1

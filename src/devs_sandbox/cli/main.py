@@ -14,12 +14,13 @@ answers, and comes here otherwise (and for every other subcommand).
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
 from collections.abc import Sequence
 from types import FrameType
-from typing import Any
+from typing import Any, Final
 
 from devs_sandbox.cli.console import (
     EXIT_CANNOT_RUN,
@@ -63,6 +64,22 @@ def _on_sigterm(signum: int, _frame: FrameType | None) -> None:
     raise SystemExit(128 + signum)
 
 
+EXIT_BROKEN_PIPE: Final = 128 + signal.SIGPIPE
+
+
+def _silence(out: Any) -> None:
+    """Point a stream whose reader is gone at /dev/null (the in-process CLI's stdout)."""
+    try:
+        fd = out.fileno()
+    except (AttributeError, OSError, ValueError):
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
+
+
 def _setup_logging(level: str, err: Any) -> None:
     handler = logging.StreamHandler(err)
     handler.setFormatter(logging.Formatter(f"{PROG}: %(levelname)s %(name)s: %(message)s"))
@@ -101,7 +118,8 @@ def main(argv: Sequence[str] | None = None, console: Console | None = None) -> i
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if con.in_process else None
     failure_status = EXIT_CANNOT_RUN if args.cmd == "run" else EXIT_ERROR
     try:
-        return int(_command(args.cmd)(args, con))
+        status = int(_command(args.cmd)(args, con))
+        con.out.flush()  # a closed pipe shows here, not at the interpreter's exit
     except UsageError as exc:
         print(exc, file=con.err)
         return exc.status
@@ -117,6 +135,11 @@ def main(argv: Sequence[str] | None = None, console: Console | None = None) -> i
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted; sandbox destroyed", file=con.err)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader went away (`doctor --json | head`): stop quietly, as a CLI killed by
+        # SIGPIPE would, and keep the interpreter's final flush from complaining.
+        _silence(con.out)
+        return EXIT_BROKEN_PIPE
     except Exception as exc:
         # A bug of ours, not bad input: still one line, the traceback only on request.
         logger.debug("internal error", exc_info=True)
@@ -126,6 +149,8 @@ def main(argv: Sequence[str] | None = None, console: Console | None = None) -> i
             file=con.err,
         )
         return failure_status
+    else:
+        return status
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)

@@ -125,3 +125,26 @@ def count_session(sid: int) -> int | None:
             if os.getsid(p.pid) == sid:
                 n += 1
     return n
+
+
+# What bwrap prints, and exits 1 with, when it cannot execute the command (its
+# die_with_error("execvp %s", argv0) with strerror); nothing else of it reaches the task's
+# stderr once the sandbox is set up.
+_BWRAP_EXEC_FAILED: Final = "bwrap: execvp {argv0}: "
+EXIT_NOT_EXECUTABLE: Final = 126
+EXIT_NOT_FOUND: Final = 127
+_NOT_FOUND_ERRORS: Final = ("No such file or directory", "Not a directory")
+
+
+def bwrap_exec_failure(argv0: str, code: int, stderr: str) -> int | None:
+    """The shell's status (127 not found, 126 not executable) for a command bwrap could
+    not execute, as ``timeout(1)`` and ``docker run`` report it; None for anything else.
+
+    Only bwrap's own one-line message with exit 1 counts. A task that prints exactly that
+    line and exits 1 is reported as 126/127: its own doing, and no more than ``exit 127``.
+    """
+    prefix = _BWRAP_EXEC_FAILED.format(argv0=argv0)
+    if code != 1 or not stderr.startswith(prefix) or stderr.count("\n") > 1:
+        return None
+    reason = stderr[len(prefix) :].strip()
+    return EXIT_NOT_FOUND if reason in _NOT_FOUND_ERRORS else EXIT_NOT_EXECUTABLE

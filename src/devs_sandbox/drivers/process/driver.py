@@ -23,6 +23,7 @@ from devs_sandbox.drivers.linux import (
     DEFAULT_PATH,
     SHIM,
     SHIM_NAME,
+    bwrap_exec_failure,
     exit_code_from_status,
     remove_tree,
     signal_from_code,
@@ -438,6 +439,8 @@ class ProcessDriver:
                     stream.close()
         assert child.status is not None
         code, signaled = exit_code_from_status(child.status)
+        if box.launcher == "bwrap":
+            code = bwrap_exec_failure(request.argv[0], code, outcome.stderr.text) or code
         # bwrap and nsinit report a signalled command as 128 + N, as shells do.
         sig = signaled if signaled is not None or box.launcher is None else signal_from_code(code)
         usage.sample_processes(box, proc.pid)
