@@ -302,11 +302,11 @@ def test_stdin_option_feeds_the_command(tmp_path: Path) -> None:
 def test_a_reader_that_goes_away_is_not_an_error() -> None:
     """`devs-sandbox doctor --json | head`: quiet, as a CLI killed by SIGPIPE (here the
     reader, `true`, is gone before the CLI has imported itself)."""
+    script = (
+        f'{sys.executable} -m devs_sandbox doctor --json | true; echo "s=${{PIPESTATUS[0]}}" >&2'
+    )
     proc = subprocess.run(
-        f"{sys.executable} -m devs_sandbox doctor --json | true; "
-        'echo "status=${PIPESTATUS[0]}" >&2',
-        shell=True,
-        executable="/bin/bash",
+        ["/bin/bash", "-c", script],
         capture_output=True,
         text=True,
         env={**os.environ, "DEVS_SANDBOX_DAEMON": "0"},
@@ -314,4 +314,4 @@ def test_a_reader_that_goes_away_is_not_an_error() -> None:
         check=False,
     )
     assert "Error" not in proc.stderr and "internal error" not in proc.stderr, proc.stderr
-    assert "status=141" in proc.stderr
+    assert "s=141" in proc.stderr
