@@ -255,12 +255,20 @@ def start_cli_sleeper() -> tuple[subprocess.Popen[bytes], str]:
     return proc, marker
 
 
-def test_sigterm_to_the_cli_destroys_the_sandbox() -> None:
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_sigterm_or_sighup_to_the_cli_destroys_the_sandbox(sig: signal.Signals) -> None:
+    """SIGHUP is what closing the terminal sends: it cleans up as SIGTERM does (workspace,
+    tmpfs mount, cgroups and lease gone at once, not at the next start)."""
     proc, marker = start_cli_sleeper()
-    proc.send_signal(signal.SIGTERM)
+    mine = [lease for _, lease in LeaseRegistry().all() if lease and lease.owner.pid == proc.pid]
+    assert mine, "the run took no lease"
+    proc.send_signal(sig)
     proc.wait(30)
-    assert proc.returncode == 128 + signal.SIGTERM
+    assert proc.returncode == 128 + sig
     assert wait_for(lambda: not processes_with(marker), 5)
+    for lease in mine:
+        assert not Path(lease.workspace).exists(), lease.workspace
+        assert LeaseRegistry().read(lease.sandbox_id) is None
 
 
 def test_a_crashed_owner_is_reaped_by_cleanup_and_on_next_start() -> None:

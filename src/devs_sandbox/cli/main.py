@@ -115,7 +115,13 @@ def main(argv: Sequence[str] | None = None, console: Console | None = None) -> i
     if args.cmd == "config" and args.config_cmd is None:
         print(f"{PROG} config: choose 'schema' or 'show'", file=con.err)
         return EXIT_USAGE
-    previous = signal.signal(signal.SIGTERM, _on_sigterm) if con.in_process else None
+    # SIGTERM, and SIGHUP (the terminal closed), unwind like an error: the sandbox is
+    # destroyed on the way out.
+    previous = (
+        {sig: signal.signal(sig, _on_sigterm) for sig in (signal.SIGTERM, signal.SIGHUP)}
+        if con.in_process
+        else None
+    )
     failure_status = EXIT_CANNOT_RUN if args.cmd == "run" else EXIT_ERROR
     try:
         status = int(_command(args.cmd)(args, con))
@@ -152,5 +158,5 @@ def main(argv: Sequence[str] | None = None, console: Console | None = None) -> i
     else:
         return status
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in (previous or {}).items():
+            signal.signal(sig, handler)
