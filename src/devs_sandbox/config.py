@@ -381,6 +381,11 @@ class McpConfig(_Model):
     """Most sandboxes one server keeps alive at once: the agents' sessions plus the
     run_shell_monitored calls in flight."""
 
+    max_sessions_per_client: Annotated[StrictInt, Field(ge=1, le=1_000)] | None = None
+    """Most of those one MCP client session may hold at once, so that over HTTP one client
+    cannot take every slot from the others. Unset: no share, any client may use all of
+    maxSessions."""
+
     @model_validator(mode="after")
     def _default_within_max(self) -> McpConfig:
         if self.timeout_s > self.max_timeout_s:

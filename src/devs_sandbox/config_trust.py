@@ -119,6 +119,8 @@ RULES: Final[Mapping[str, Rule]] = {
     "mcp.sessionIdleTimeoutS": Rule.LOWER,
     "mcp.sessionTimeoutS": Rule.LOWER,
     "mcp.maxSessions": Rule.LOWER,
+    # One HTTP client's share of maxSessions: null (no share) is the loosest.
+    "mcp.maxSessionsPerClient": Rule.LOWER,
 }
 
 

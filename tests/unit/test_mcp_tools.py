@@ -24,7 +24,7 @@ from devs_sandbox.errors import ConfigError
 from devs_sandbox.lifecycle import SandboxLifecycleManager
 from devs_sandbox.lifecycle.sampling import ScriptedProcessStats
 from devs_sandbox.lifecycle.timeout import SandboxTimeoutEnforcer
-from devs_sandbox.mcp_server import DevsMcpServer
+from devs_sandbox.mcp_server import LOCAL_CALLER, Caller, DevsMcpServer
 from devs_sandbox.models import DetectionRule, ExecResult, TreeSample, Violation, ViolationType
 from devs_sandbox.scheduler import FakeScheduler
 from devs_sandbox.store import ViolationStore
@@ -107,6 +107,14 @@ class Harness:
 
         try:
             anyio.run(main)
+        finally:
+            self.sessions.close()
+            self.manager.shutdown()
+
+    def run_calls(self, scenario: Callable[[], Awaitable[None]]) -> None:
+        """Call ``self.app.call`` directly, as callers of the tests' choosing."""
+        try:
+            anyio.run(scenario)
         finally:
             self.sessions.close()
             self.manager.shutdown()
@@ -494,3 +502,97 @@ def test_an_agent_cannot_ask_for_more_time_than_the_operator_allows(tmp_path: Pa
         assert "timeout_s: Input should be less than or equal to 60" in error_text(r)
 
     h.run(scenario)
+
+
+# -- tenancy (the transport side is tests/integration/test_mcp_http.py) -----------------------
+ALICE = Caller("session-alice")
+BOB = Caller("session-bob")
+
+
+def test_a_caller_cannot_reach_another_callers_sandbox_nor_see_its_rows(tmp_path: Path) -> None:
+    h = Harness(tmp_path, script=[PRIME, TreeSample(rss_bytes=1 << 40, cpu_percent=None)])
+
+    async def scenario() -> None:
+        r = await h.app.call("sandbox_create", {}, ALICE)
+        assert r.structured_content is not None
+        sid = r.structured_content["sandbox_id"]
+        kill = {"sandbox_id": sid, "command": "hog"}
+        assert (await h.app.call("sandbox_exec", kill, ALICE)).is_error  # a row for sid
+        assert (await h.app.call("run_shell_monitored", {"command": "hog"}, ALICE)).is_error
+        never = await h.app.call(
+            "sandbox_exec", {"sandbox_id": "sb-000000000000", "command": "ls"}, BOB
+        )
+        for tool, args in (
+            ("sandbox_exec", {"sandbox_id": sid, "command": "echo stolen"}),
+            ("sandbox_destroy", {"sandbox_id": sid}),
+        ):
+            r = await h.app.call(tool, args, BOB)
+            assert error_text(r) == error_text(never).replace("sb-000000000000", sid)
+            assert r.structured_content == {
+                "error": "sandbox_not_found",
+                "sandbox_id": sid,
+                "detail": "",
+            }
+        for args in ({}, {"sandbox_id": sid}):
+            r = await h.app.call("sandbox_violations", args, BOB)
+            assert r.structured_content == {"violations": []}
+        assert (await h.app.call("run_shell_monitored", {"command": "hog"}, BOB)).is_error
+
+        async def rows(caller: Caller) -> list[str]:
+            r = await h.app.call("sandbox_violations", {}, caller)
+            assert r.structured_content is not None
+            return [v["sandbox_id"] for v in r.structured_content["violations"]]
+
+        alices, bobs, everyone = await rows(ALICE), await rows(BOB), await rows(LOCAL_CALLER)
+        assert len(alices) == 2 and sid in alices and len(bobs) == 1
+        assert not set(alices) & set(bobs) and sorted(everyone) == sorted(alices + bobs)
+        # Alice's sandbox is untouched and still hers.
+        r = await h.app.call("sandbox_exec", {"sandbox_id": sid, "command": "echo mine"}, ALICE)
+        assert r.structured_content is not None and r.structured_content["stdout"] == "mine\n"
+        assert ["/bin/sh", "-c", "echo stolen"] not in h.driver.sandboxes[sid].commands
+        # Her session ends: her sandbox goes, Bob's do not.
+        r = await h.app.call("sandbox_create", {}, BOB)
+        assert r.structured_content is not None
+        bobs_sid = r.structured_content["sandbox_id"]
+        await h.app._session_ended(ALICE.owner)
+        assert sid in h.driver.destroyed and bobs_sid not in h.driver.destroyed
+        r = await h.app.call("sandbox_create", {}, ALICE)
+        assert r.structured_content == {"error": "sandbox_error", "type": "ServerClosingError"}
+
+    h.run_calls(scenario)
+
+
+def test_a_sessionless_caller_may_run_one_shot_commands_only(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    once = Caller("call-1", session=False)
+
+    async def scenario() -> None:
+        r = await h.app.call("run_shell_monitored", {"command": "echo hi"}, once)
+        assert r.structured_content is not None and r.structured_content["stdout"] == "hi\n"
+        for tool, args in (
+            ("sandbox_create", {}),
+            ("sandbox_exec", {"sandbox_id": "sb-000000000000", "command": "ls"}),
+            ("sandbox_destroy", {"sandbox_id": "sb-000000000000"}),
+            ("sandbox_violations", {}),
+        ):
+            r = await h.app.call(tool, args, once)
+            assert f"{tool} needs an MCP session" in error_text(r), tool
+            assert r.structured_content == {"error": "session_required"}
+        assert h.sessions.owned_ids(once.owner) == []  # nothing kept for it
+
+    h.run_calls(scenario)
+    assert len(h.driver.provisioned) == 1
+
+
+def test_max_sessions_per_client_is_a_clear_tool_error(tmp_path: Path) -> None:
+    config = parse_config({"mcp": {"maxSessions": 3, "maxSessionsPerClient": 1}})
+    h = Harness(tmp_path, config=config)
+
+    async def scenario() -> None:
+        assert not (await h.app.call("sandbox_create", {}, ALICE)).is_error
+        r = await h.app.call("sandbox_create", {}, ALICE)
+        assert "too many sandboxes for this client: 1 (mcp.maxSessionsPerClient)" in error_text(r)
+        assert r.structured_content == {"error": "too_many_sandboxes", "limit": 1}
+        assert not (await h.app.call("sandbox_create", {}, BOB)).is_error
+
+    h.run_calls(scenario)

@@ -6,10 +6,10 @@ import argparse
 import json
 from typing import IO, Any, Final
 
-from devs_sandbox.cli.console import EXIT_USAGE, PROG, Console, UsageError
+from devs_sandbox.cli.console import EXIT_CANNOT_RUN, EXIT_USAGE, PROG, Console, UsageError
 from devs_sandbox.cli.run import db_path, load_file_config
 from devs_sandbox.config import render_schema
-from devs_sandbox.errors import DevsSandboxError
+from devs_sandbox.errors import ConfigError, DevsSandboxError
 
 
 def cmd_violations(args: argparse.Namespace, con: Console) -> int:
@@ -113,11 +113,25 @@ def cmd_mcp(args: argparse.Namespace, con: Console) -> int:
         raise DevsSandboxError(
             f"the MCP server needs the MCP SDK, which is not installed: {MCP_INSTALL_HINT}"
         ) from None
+    if args.auth_token_file is not None and not args.http:
+        raise UsageError(f"{PROG} mcp: --auth-token-file needs --http", EXIT_USAGE)
     file_cfg = load_file_config(args, con)
-    if args.http and args.host not in {"127.0.0.1", "localhost", "::1"}:
+    token = None
+    if args.http and args.auth_token_file is not None:
+        try:
+            token = mcp_server.read_auth_token(args.auth_token_file)
+        except ConfigError as exc:
+            raise UsageError(f"{PROG} mcp: {exc}", EXIT_CANNOT_RUN) from None
+    if args.http and token is None and not mcp_server.is_loopback(args.host):
+        raise UsageError(
+            f"{PROG} mcp: refusing to listen on {args.host} without --auth-token-file: anyone "
+            "who can reach it could run commands on this host",
+            EXIT_CANNOT_RUN,
+        )
+    if token is not None and not mcp_server.is_loopback(args.host):
         print(
-            f"{PROG} mcp: WARNING: listening on {args.host} lets anyone who can reach it run "
-            "commands on this host; the MCP endpoint has no authentication",
+            f"{PROG} mcp: WARNING: plain HTTP on {args.host} carries the token and every "
+            "command in clear text; put a TLS proxy in front of it",
             file=con.err,
         )
     return mcp_server.serve(
@@ -126,6 +140,7 @@ def cmd_mcp(args: argparse.Namespace, con: Console) -> int:
         http=args.http,
         host=args.host,
         port=args.port,
+        auth_token=token,
     )
 
 

@@ -233,13 +233,23 @@ def _add_mcp_parser(sub: Any) -> None:
         "mcp",
         help="serve the sandbox to agents over the Model Context Protocol",
         description="Serve the run_shell_monitored and sandbox_* tools over stdio (default) "
-        "or streamable HTTP. Every sandbox is destroyed when the server stops.",
+        "or streamable HTTP. Every sandbox is destroyed when the server stops. Over HTTP each "
+        "MCP session is a tenant: its sandboxes and violations are its own, and die with it.",
     )
     mcp.add_argument("--http", action="store_true", help="streamable HTTP instead of stdio")
     mcp.add_argument(
-        "--host", default="127.0.0.1", help="HTTP address to bind (default: 127.0.0.1)"
+        "--host",
+        default="127.0.0.1",
+        help="HTTP address to bind (default: 127.0.0.1); any but loopback needs --auth-token-file",
     )
     mcp.add_argument("--port", type=_port, default=8000, help="HTTP port (default: 8000)")
+    mcp.add_argument(
+        "--auth-token-file",
+        type=Path,
+        metavar="PATH",
+        help="HTTP: require 'Authorization: Bearer TOKEN' on every request, TOKEN being this "
+        "file's one line (mode 600, read once at start)",
+    )
     mcp.add_argument("--config", type=Path, metavar="PATH")
     mcp.add_argument("--db", type=Path, metavar="PATH", help="violation store (SQLite)")
 

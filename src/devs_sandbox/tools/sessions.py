@@ -1,17 +1,25 @@
-"""Sandboxes an agent keeps between calls (the MCP server's ``sandbox_*`` tools), and the
-reaper that destroys the ones it forgets.
+"""Sandboxes an agent keeps between calls (the MCP server's ``sandbox_*`` tools), who owns
+each of them, and the reaper that destroys the ones it forgets.
 
 Invariants:
 
-- at most ``max_sandboxes`` are alive at once, sessions and one-shot runs together; a
-  slot is taken before provisioning starts, so concurrent creates cannot overshoot;
+- every sandbox belongs to the owner that created it (an opaque string: the MCP server
+  gives each client session its own); a lookup with any other owner finds nothing, and
+  says so exactly as for an id that never existed, so a guessed id reveals nothing;
+- at most ``max_sandboxes`` are alive at once, sessions and one-shot runs together, and
+  at most ``max_per_owner`` of them for one owner; a slot is taken before provisioning
+  starts, so concurrent creates cannot overshoot;
 - a session is destroyed when it has had no call in flight for ``idle_timeout_s``, when
   ``total_timeout_s`` has passed since its creation (whatever it is doing: this is also
-  its sandbox's total timeout), when a quota violation terminated it, or at ``close()``;
-- after ``close()`` nothing new is created, and everything alive has been destroyed;
+  its sandbox's total timeout), when a quota violation terminated it, when its owner
+  ended (``end_owner``: the MCP client session went away), or at ``close()``;
+- after ``end_owner(o)`` nothing new is created for ``o``; after ``close()`` nothing new is
+  created at all, and everything alive has been destroyed;
 - an id that is gone says why (``SandboxNotFoundError.detail``) for the last
-  ``ENDED_MEMORY`` sessions, so an agent learns "expired after 900 s idle", not just
-  "unknown id".
+  ``ENDED_MEMORY`` sessions, to its owner only, so an agent learns "expired after 900 s
+  idle", not just "unknown id";
+- ``owned_ids(o)`` names the sandboxes ``o`` created (sessions and one-shot runs, the
+  newest ``OWNED_MEMORY``), which is how the server shows an owner its own audit rows.
 
 Every method blocks (provisioning, killing, removing a cgroup): the MCP server calls them
 through ``aio.run_blocking``. Times come from the ``Scheduler``, so tests drive the reaper
@@ -23,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Final
@@ -45,16 +53,33 @@ from devs_sandbox.tools.shell import MonitoredShellOptions, monitored_exec
 logger = logging.getLogger(__name__)
 
 SWEEP_INTERVAL_S: Final = 1.0  # an expired session outlives its timeout by at most this long
-ENDED_MEMORY: Final = 1024  # ended session ids remembered with the reason they ended
+ENDED_MEMORY: Final = 1024  # ended session ids (and ended owners) remembered, with why
+OWNED_MEMORY: Final = 10_000  # sandbox ids remembered per live owner, for its audit rows
+DEFAULT_OWNER: Final = "local"  # the one owner of a single-client server (stdio, the library)
 
 
 class ServerClosingError(DevsSandboxError):
-    """The registry was closed (the server is stopping); nothing new starts."""
+    """The registry was closed (the server is stopping), or the caller's owner has ended
+    (its MCP session went away); nothing new starts for it."""
+
+
+class OwnerLimitError(SessionLimitError):
+    """A new sandbox would exceed the most one owner (one MCP client session) may hold
+    (``mcp.maxSessionsPerClient``)."""
+
+    def __init__(self, limit: int) -> None:
+        DevsSandboxError.__init__(
+            self,
+            f"too many sandboxes for this client: {limit} (mcp.maxSessionsPerClient); destroy "
+            "one with sandbox_destroy or wait for a run to finish",
+        )
+        self.limit = limit
 
 
 @dataclass
 class _Session:
     sandbox: Sandbox
+    owner: str
     created_at: float
     last_used: float
     calls: int = 0
@@ -70,22 +95,29 @@ class SandboxSessions:
         idle_timeout_s: float,
         total_timeout_s: float,
         max_sandboxes: int,
+        max_per_owner: int | None = None,
         scheduler: Scheduler | None = None,
         sweep_interval_s: float = SWEEP_INTERVAL_S,
     ) -> None:
         if idle_timeout_s <= 0 or total_timeout_s <= 0 or max_sandboxes < 1:
             raise ValueError("timeouts must be positive and max_sandboxes at least 1")
+        if max_per_owner is not None and max_per_owner < 1:
+            raise ValueError("max_per_owner must be at least 1")
         self.manager = manager
         self.idle_timeout_s = idle_timeout_s
         self.total_timeout_s = total_timeout_s
         self.max_sandboxes = max_sandboxes
+        self.max_per_owner = max_per_owner
         self._own_scheduler = scheduler is None
         self._scheduler: Scheduler = scheduler or ThreadScheduler("devs-sandbox-sessions")
         self._sweep_interval_s = sweep_interval_s
         self._lock = threading.Lock()
         self._sessions: dict[str, _Session] = {}
-        self._ended: OrderedDict[str, str] = OrderedDict()
+        self._ended: OrderedDict[str, tuple[str, str]] = OrderedDict()  # id -> (owner, why)
         self._pending = 0  # slots taken by creates in progress and one-shot runs
+        self._pending_by_owner: Counter[str] = Counter()
+        self._owned: dict[str, OrderedDict[str, None]] = {}  # owner -> ids it created
+        self._ended_owners: OrderedDict[str, None] = OrderedDict()
         self._timer: TimerHandle | None = None
         self._closed = False
 
@@ -98,37 +130,66 @@ class SandboxSessions:
             idle_timeout_s=mcp.session_idle_timeout_s,
             total_timeout_s=mcp.session_timeout_s,
             max_sandboxes=mcp.max_sessions,
+            max_per_owner=mcp.max_sessions_per_client,
             scheduler=scheduler,
         )
 
     # -- bookkeeping (callers hold the lock) ------------------------------------------------
-    def _take_slot_locked(self) -> None:
+    def _take_slot_locked(self, owner: str) -> None:
         if self._closed:
             raise ServerClosingError("the server is shutting down; no new sandbox starts")
+        if owner in self._ended_owners:
+            raise ServerClosingError("this client's MCP session has ended; no new sandbox starts")
         if len(self._sessions) + self._pending >= self.max_sandboxes:
             raise SessionLimitError(self.max_sandboxes)
+        if self.max_per_owner is not None:
+            held = sum(1 for s in self._sessions.values() if s.owner == owner)
+            if held + self._pending_by_owner[owner] >= self.max_per_owner:
+                raise OwnerLimitError(self.max_per_owner)
         self._pending += 1
+        self._pending_by_owner[owner] += 1
 
-    def _remember_locked(self, sandbox_id: str, why: str) -> None:
-        self._ended[sandbox_id] = why
+    def _give_slot_back_locked(self, owner: str) -> None:
+        self._pending -= 1
+        self._pending_by_owner[owner] -= 1
+        if not self._pending_by_owner[owner]:
+            del self._pending_by_owner[owner]
+
+    def _own_locked(self, owner: str, sandbox_id: str) -> None:
+        ids = self._owned.setdefault(owner, OrderedDict())
+        ids[sandbox_id] = None
+        while len(ids) > OWNED_MEMORY:
+            ids.popitem(last=False)
+
+    def _remember_locked(self, sandbox_id: str, owner: str, why: str) -> None:
+        self._ended[sandbox_id] = (owner, why)
         self._ended.move_to_end(sandbox_id)
         while len(self._ended) > ENDED_MEMORY:
             self._ended.popitem(last=False)
 
-    def _missing(self, sandbox_id: str) -> SandboxNotFoundError:
+    def _session_locked(self, sandbox_id: str, owner: str) -> _Session | None:
+        """The one place a sandbox id is looked up for a caller: another owner's is absent."""
+        session = self._sessions.get(sandbox_id)
+        return session if session is not None and session.owner == owner else None
+
+    def _missing(self, sandbox_id: str, owner: str) -> SandboxNotFoundError:
+        """Not found, with the story of its end told to its own owner only."""
         with self._lock:
-            why = self._ended.get(sandbox_id, "")
-        return SandboxNotFoundError(sandbox_id, why)
+            whose, why = self._ended.get(sandbox_id, ("", ""))
+        return SandboxNotFoundError(sandbox_id, why if whose == owner else "")
 
     def _arm_locked(self) -> None:
         if self._timer is None and not self._closed and self._sessions:
             self._timer = self._scheduler.call_later(self._sweep_interval_s, self._tick)
 
     # -- sessions -------------------------------------------------------------------------
-    def create(self, config: SandboxLifecycleConfig | None = None) -> Sandbox:
-        """Provision a sandbox that lives until destroyed, forgotten or the server stops."""
+    def create(
+        self, config: SandboxLifecycleConfig | None = None, *, owner: str = DEFAULT_OWNER
+    ) -> Sandbox:
+        """Provision a sandbox for ``owner`` that lives until destroyed, forgotten, its owner
+        ends or the server stops."""
         with self._lock:
-            self._take_slot_locked()
+            self._take_slot_locked(owner)
         try:
             base = config if config is not None else self.manager.config.sandbox
             # Its total timeout is the session's lifetime: the sweep destroys it then too.
@@ -136,41 +197,47 @@ class SandboxSessions:
             sandbox = self.manager.open_sandbox(cfg)
         except BaseException:
             with self._lock:
-                self._pending -= 1
+                self._give_slot_back_locked(owner)
             raise
         now = self._scheduler.now()
         with self._lock:
-            self._pending -= 1
-            closed = self._closed
-            if not closed:
-                self._sessions[sandbox.id] = _Session(sandbox, now, now)
+            self._give_slot_back_locked(owner)
+            refused = self._closed or owner in self._ended_owners
+            if not refused:
+                self._sessions[sandbox.id] = _Session(sandbox, owner, now, now)
+                self._own_locked(owner, sandbox.id)
                 self._arm_locked()
-        if closed:
+        if refused:
+            # The server stopped, or the owner's session ended, while this one was made.
             sandbox.destroy()
-            raise ServerClosingError("the server is shutting down; no new sandbox starts")
+            raise ServerClosingError("the server or this client's session is ending")
         return sandbox
 
     @contextlib.contextmanager
-    def slot(self) -> Iterator[None]:
-        """Count a one-shot run (run_shell_monitored) against ``max_sandboxes`` while it runs."""
+    def slot(self, *, owner: str = DEFAULT_OWNER, sandbox_id: str | None = None) -> Iterator[None]:
+        """Count a one-shot run (run_shell_monitored) against ``max_sandboxes`` and its
+        owner's share while it runs; ``sandbox_id`` (chosen by the caller) joins
+        ``owned_ids(owner)``."""
         with self._lock:
-            self._take_slot_locked()
+            self._take_slot_locked(owner)
+            if sandbox_id is not None:
+                self._own_locked(owner, sandbox_id)
         try:
             yield
         finally:
             with self._lock:
-                self._pending -= 1
+                self._give_slot_back_locked(owner)
 
     @contextlib.contextmanager
-    def use(self, sandbox_id: str) -> Iterator[Sandbox]:
+    def use(self, sandbox_id: str, *, owner: str = DEFAULT_OWNER) -> Iterator[Sandbox]:
         """The session's sandbox, marked busy (so not idle) for the duration of the call."""
         with self._lock:
-            session = self._sessions.get(sandbox_id)
+            session = self._session_locked(sandbox_id, owner)
             if session is not None:
                 session.calls += 1
                 session.last_used = self._scheduler.now()
         if session is None:
-            raise self._missing(sandbox_id)
+            raise self._missing(sandbox_id, owner)
         try:
             yield session.sandbox
         finally:
@@ -178,13 +245,18 @@ class SandboxSessions:
                 session.calls -= 1
                 session.last_used = self._scheduler.now()
 
-    def remaining_s(self, sandbox_id: str) -> float:
+    def remaining_s(self, sandbox_id: str, *, owner: str = DEFAULT_OWNER) -> float:
         """Seconds left of the session's lifetime."""
         with self._lock:
-            session = self._sessions.get(sandbox_id)
+            session = self._session_locked(sandbox_id, owner)
         if session is None:
-            raise self._missing(sandbox_id)
+            raise self._missing(sandbox_id, owner)
         return self.total_timeout_s - (self._scheduler.now() - session.created_at)
+
+    def owned_ids(self, owner: str) -> list[str]:
+        """Ids of the sandboxes ``owner`` created, oldest first (at most ``OWNED_MEMORY``)."""
+        with self._lock:
+            return list(self._owned.get(owner, ()))
 
     # REQ: 3_MCP-REQ-SEC-002
     def exec(
@@ -194,31 +266,33 @@ class SandboxSessions:
         opts: MonitoredShellOptions,
         *,
         timeout_s: float,
+        owner: str = DEFAULT_OWNER,
         stats: ProcessStatsSource | None = None,
         scheduler: Scheduler | None = None,
     ) -> ExecResult:
-        """Run ``command`` in the session's workspace under the RSS/CPU monitor.
+        """Run ``command`` in the workspace of ``owner``'s session under the RSS/CPU monitor.
 
         Raises ``ResourceLimitExceededError`` (the command was killed; the session and its
         files remain), ``ExecTimeoutError`` (``timeout_s`` ran out; the session remains),
         ``QuotaExceededError`` (a sandbox quota was broken: the session is destroyed) or
-        ``SandboxNotFoundError`` (gone, or reached its lifetime during the call).
+        ``SandboxNotFoundError`` (gone, another owner's, or reached its lifetime during the
+        call).
         """
-        with self.use(sandbox_id) as sandbox:
-            self._check_alive(sandbox)
-            budget = min(timeout_s, self.remaining_s(sandbox_id))
+        with self.use(sandbox_id, owner=owner) as sandbox:
+            self._check_alive(sandbox, owner)
+            budget = min(timeout_s, self.remaining_s(sandbox_id, owner=owner))
             result = monitored_exec(
                 sandbox, command, opts, timeout_s=budget, stats=stats, scheduler=scheduler
             )
-            self._check_alive(sandbox)
+            self._check_alive(sandbox, owner)
         if result.timed_out:
             raise ExecTimeoutError(budget, result)
         return result
 
-    def _check_alive(self, sandbox: Sandbox) -> None:
+    def _check_alive(self, sandbox: Sandbox, owner: str) -> None:
         """A session its quota or lifetime terminated is over: destroy it and say why."""
         if sandbox.destroyed:  # reaped or destroyed by another call meanwhile
-            raise self._missing(sandbox.id)
+            raise self._missing(sandbox.id, owner)
         violation = sandbox.violation
         if violation is not None:
             self.end(sandbox.id, f"terminated for {violation.type}")
@@ -227,37 +301,62 @@ class SandboxSessions:
             self.end(
                 sandbox.id, f"reached its {self.total_timeout_s:g} s lifetime (mcp.sessionTimeoutS)"
             )
-            raise self._missing(sandbox.id)
+            raise self._missing(sandbox.id, owner)
 
-    def kill(self, sandbox_id: str) -> None:
+    def kill(self, sandbox_id: str, *, owner: str = DEFAULT_OWNER) -> None:
         """SIGKILL the session's processes (a cancelled call); the session and files remain."""
         with self._lock:
-            session = self._sessions.get(sandbox_id)
+            session = self._session_locked(sandbox_id, owner)
         if session is not None:
             session.sandbox.kill()
 
-    def destroy(self, sandbox_id: str) -> None:
-        """Destroy a session on request; an unknown or already destroyed id raises."""
+    def destroy(self, sandbox_id: str, *, owner: str = DEFAULT_OWNER) -> None:
+        """Destroy ``owner``'s session on request; an unknown, already destroyed or another
+        owner's id raises ``SandboxNotFoundError``."""
         with self._lock:
-            session = self._sessions.pop(sandbox_id, None)
+            session = self._session_locked(sandbox_id, owner)
             if session is not None:
-                self._remember_locked(sandbox_id, "destroyed by sandbox_destroy")
+                del self._sessions[sandbox_id]
+                self._remember_locked(sandbox_id, owner, "destroyed by sandbox_destroy")
         if session is None:
-            raise self._missing(sandbox_id)
+            raise self._missing(sandbox_id, owner)
         session.sandbox.destroy()
 
     def end(self, sandbox_id: str, why: str) -> None:
-        """Destroy a session for ``why``, if it is still there."""
+        """Destroy a session for ``why``, if it is still there (the server's own bookkeeping:
+        a cancelled create, a failed preflight; whoever owns it)."""
         with self._lock:
             session = self._sessions.pop(sandbox_id, None)
             if session is not None:
-                self._remember_locked(sandbox_id, why)
+                self._remember_locked(sandbox_id, session.owner, why)
         if session is not None:
             session.sandbox.destroy()
 
-    def ids(self) -> list[str]:
+    def end_owner(self, owner: str, why: str) -> list[str]:
+        """``owner`` is gone (its MCP session ended): destroy its sessions, forget what it
+        created, and refuse it anything new. Returns the ids destroyed; idempotent."""
         with self._lock:
-            return list(self._sessions)
+            self._ended_owners[owner] = None
+            self._ended_owners.move_to_end(owner)
+            while len(self._ended_owners) > ENDED_MEMORY:
+                self._ended_owners.popitem(last=False)
+            self._owned.pop(owner, None)
+            mine = [(i, s) for i, s in self._sessions.items() if s.owner == owner]
+            for sandbox_id, _ in mine:
+                del self._sessions[sandbox_id]
+                self._remember_locked(sandbox_id, owner, why)
+        for sandbox_id, session in mine:
+            logger.info("sandbox %s %s", sandbox_id, why)
+            try:
+                session.sandbox.destroy()
+            except Exception:
+                logger.exception("destroying sandbox %s failed", sandbox_id)
+        return [sandbox_id for sandbox_id, _ in mine]
+
+    def ids(self, owner: str | None = None) -> list[str]:
+        """Live session ids: all of them, or ``owner``'s."""
+        with self._lock:
+            return [i for i, s in self._sessions.items() if owner is None or s.owner == owner]
 
     def __len__(self) -> int:
         with self._lock:
@@ -278,7 +377,7 @@ class SandboxSessions:
                 else:
                     continue
                 del self._sessions[sandbox_id]
-                self._remember_locked(sandbox_id, why)
+                self._remember_locked(sandbox_id, session.owner, why)
                 expired.append((session, why))
         for session, why in expired:
             logger.info("sandbox %s %s", session.sandbox.id, why)
@@ -304,8 +403,10 @@ class SandboxSessions:
             self._closed = True
             sessions = list(self._sessions.items())
             self._sessions.clear()
-            for sandbox_id, _ in sessions:
-                self._remember_locked(sandbox_id, "destroyed when the server stopped")
+            for sandbox_id, session in sessions:
+                self._remember_locked(
+                    sandbox_id, session.owner, "destroyed when the server stopped"
+                )
             timer, self._timer = self._timer, None
         if timer is not None:
             timer.cancel()
