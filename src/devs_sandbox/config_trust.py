@@ -115,6 +115,7 @@ RULES: Final[Mapping[str, Rule]] = {
     "mcp.cpuSustainedMs": Rule.LOWER,
     "mcp.pollIntervalMs": Rule.OPERATOR,  # as sandbox.quotas.pollIntervalMs
     "mcp.timeoutS": Rule.LOWER,
+    "mcp.maxOutputBytes": Rule.LOWER,
     "mcp.maxTimeoutS": Rule.LOWER,
     "mcp.sessionIdleTimeoutS": Rule.LOWER,
     "mcp.sessionTimeoutS": Rule.LOWER,

@@ -26,23 +26,19 @@ from devs_sandbox.errors import (
     SessionLimitError,
 )
 from devs_sandbox.models import ExecResult
-from devs_sandbox.tools.shell import ShellResult
 
 logger = logging.getLogger(__name__)
 
 
 class ToolCallError(Exception):
-    """A tool's answer that is an error: ``message`` for the model, ``data`` as structured
-    content. Raised inside handlers, turned into ``isError`` results in one place."""
+    """A tool's answer that is an error: ``message`` for the model (the first text block),
+    ``data`` the details (``error`` names the kind; the second text block, as JSON).
+    Raised inside handlers, turned into ``isError`` results in one place."""
 
     def __init__(self, message: str, data: dict[str, Any]) -> None:
         super().__init__(message)
         self.message = message
         self.data = data
-
-
-def output_fields(result: ExecResult | None) -> dict[str, Any]:
-    return {} if result is None else ShellResult.from_exec(result).to_json()
 
 
 def argument_problems(exc: ValidationError) -> list[dict[str, str]]:
@@ -58,8 +54,15 @@ def argument_problems(exc: ValidationError) -> list[dict[str, str]]:
     return problems
 
 
-def failure_for(exc: BaseException, tool: str, args: BaseModel | None) -> ToolCallError:
-    """One place that turns what the library raised into what the agent reads."""
+def failure_for(
+    exc: BaseException, tool: str, output: dict[str, Any] | None = None
+) -> ToolCallError:
+    """One place that turns what the library raised into what the agent reads; ``output``
+    is what the command printed so far (``CallOutput.fields()``), for the kills."""
+    printed = output or {}
+    ended = _ended(exc)
+    if ended is not None:  # how the command ended, beside what it printed
+        printed = {**printed, "exit_code": ended.exit_code, "duration_s": ended.duration_s}
     if isinstance(exc, ToolCallError):
         return exc
     if isinstance(exc, ResourceLimitExceededError):
@@ -74,15 +77,11 @@ def failure_for(exc: BaseException, tool: str, args: BaseModel | None) -> ToolCa
                 "reason": exc.reason,
                 "value": exc.value,
                 "limit": exc.limit,
-                **output_fields(exc.result),
+                **printed,
             },
         )
     if isinstance(exc, SandboxTimeoutError | ExecTimeoutError):
         seconds = exc.timeout_s
-        if isinstance(exc, ExecTimeoutError):
-            result = exc.result
-        else:
-            result = exc.outcome.result if exc.outcome is not None else None
         if isinstance(exc, SandboxTimeoutError) and exc.idle:
             message = (
                 f"the command printed nothing for {seconds:g} s and every process of it was "
@@ -93,17 +92,14 @@ def failure_for(exc: BaseException, tool: str, args: BaseModel | None) -> ToolCa
                 f"the command timed out after {seconds:g} s and every process of it was killed "
                 "(raise timeout_s)"
             )
-        return ToolCallError(
-            message, {"error": "timeout", "timeout_s": seconds, **output_fields(result)}
-        )
+        return ToolCallError(message, {"error": "timeout", "timeout_s": seconds, **printed})
     if isinstance(exc, QuotaExceededError):
         v = exc.violation
-        result = exc.outcome.result if exc.outcome is not None else None
         gone = " and the sandbox destroyed" if tool == "sandbox_exec" else ""
         return ToolCallError(
             f"sandbox quota exceeded: {v.type} (observed {v.observed_value}, limit "
             f"{v.limit_value}); every process was killed{gone}",
-            {"error": "quota_exceeded", "violation": v.to_json(), **output_fields(result)},
+            {"error": "quota_exceeded", "violation": v.to_json(), **printed},
         )
     if isinstance(exc, SandboxNotFoundError):
         return ToolCallError(
@@ -125,17 +121,41 @@ def failure_for(exc: BaseException, tool: str, args: BaseModel | None) -> ToolCa
     )
 
 
+def _ended(exc: BaseException) -> ExecResult | None:
+    if isinstance(exc, ResourceLimitExceededError | ExecTimeoutError):
+        return exc.result
+    if isinstance(exc, SandboxTimeoutError | QuotaExceededError) and exc.outcome is not None:
+        return exc.outcome.result
+    return None
+
+
 def error_result(failure: ToolCallError) -> types.CallToolResult:
+    """An ``isError`` result: our message, then its details as JSON, and no structured
+    content. Both SDKs accept an error without it (the TypeScript client validates
+    ``structuredContent`` against the tool's ``outputSchema`` whenever it is present, even
+    on errors; the Python client skips errors), and hosts show errors' text to the model.
+    """
     return types.CallToolResult(
-        content=[types.TextContent(type="text", text=failure.message)],
-        structured_content=failure.data,
+        content=[
+            types.TextContent(type="text", text=failure.message),
+            types.TextContent(type="text", text=_json(failure.data)),
+        ],
         is_error=True,
     )
 
 
-def ok_result(output: BaseModel) -> types.CallToolResult:
+def ok_result(output: BaseModel, *, structured: bool) -> types.CallToolResult:
+    """A tool's answer as one JSON text block; with ``structured`` (a tool that declares
+    an ``outputSchema``: the small answers) also as ``structuredContent``. A run tool's
+    answer carries the command's output and goes once, in the text block only, which
+    every host shows its model (some show ``structuredContent`` instead when present)."""
     data = output.model_dump(mode="json")
     return types.CallToolResult(
-        content=[types.TextContent(type="text", text=json.dumps(data))],
-        structured_content=data,
+        content=[types.TextContent(type="text", text=_json(data))],
+        structured_content=data if structured else None,
     )
+
+
+def _json(data: dict[str, Any]) -> str:
+    # Compact, and non-ASCII as itself: an escape per character would inflate the output.
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":"))

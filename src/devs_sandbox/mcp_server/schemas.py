@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any, Final
+from typing import TYPE_CHECKING, Annotated, Any, Final, Literal
 
 from mcp import types
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -25,9 +25,10 @@ from devs_sandbox.models import SANDBOX_ID_PATTERN
 from devs_sandbox.monitors.usage import cpu_busy_threshold
 
 if TYPE_CHECKING:
-    from devs_sandbox.mcp_server.tenancy import Caller
+    from devs_sandbox.mcp_server.progress import ToolCall
 
 DEFAULT_VIOLATIONS_LIMIT: Final = 20
+MIN_OUTPUT_BYTES: Final = 64  # as sandbox.maxOutputBytes
 MAX_VIOLATIONS_LIMIT: Final = 1_000
 
 Command = Annotated[
@@ -107,6 +108,31 @@ def monitor_fields(cfg: DevsConfig) -> dict[str, Any]:
     }
 
 
+def output_fields(cfg: DevsConfig) -> dict[str, Any]:
+    """How much of a command's output comes back, and how: the run tools' last arguments."""
+    ceiling = cfg.sandbox.max_output_bytes
+    return {
+        "max_output_bytes": (
+            int,
+            Field(
+                default=min(cfg.mcp.max_output_bytes, ceiling),
+                ge=MIN_OUTPUT_BYTES,
+                le=ceiling,
+                description="Bytes kept of each of stdout and stderr: the first and the last "
+                "halves when there is more (the middle is dropped and counted).",
+            ),
+        ),
+        "output_encoding": (
+            Literal["text", "base64"],
+            Field(
+                default="text",
+                description="text: UTF-8, bytes that are not read U+FFFD and the stream is "
+                "flagged *_binary; base64: the bytes exactly.",
+            ),
+        ),
+    }
+
+
 def monitor_description(cfg: DevsConfig) -> str:
     """The kill conditions of a run tool, in its description, with the configured defaults."""
     mcp = cfg.mcp
@@ -161,15 +187,24 @@ class ViolationsArgs(Args):
 
 
 class ShellOutput(BaseModel):
-    """What a command printed and how it ended, when it ended on its own."""
+    """What a command printed and how it ended, when it ended on its own: the JSON text of
+    a run tool's answer (the error answers of a kill carry the same output fields)."""
 
     exit_code: int = Field(description="The command's status; 128+N when signal N ended it.")
-    stdout: str
+    stdout: str = Field(description="Text, or base64 with output_encoding='base64'.")
     stderr: str
     stdout_truncated: bool = Field(
         description="The middle of stdout was dropped (head and tail kept)."
     )
     stderr_truncated: bool
+    stdout_bytes: int = Field(description="Bytes the command wrote to stdout in all.")
+    stderr_bytes: int
+    stdout_binary: bool = Field(
+        description="stdout is not UTF-8 text: as text its invalid bytes read U+FFFD; ask "
+        "output_encoding='base64' for the bytes."
+    )
+    stderr_binary: bool
+    encoding: Literal["text", "base64"]
     duration_s: float
 
 
@@ -202,24 +237,31 @@ class ViolationsOutput(BaseModel):
 
 
 # -- listings -------------------------------------------------------------------------------
-Handler = Callable[[Any, "Caller"], Awaitable[BaseModel]]
+Handler = Callable[[Any, "ToolCall"], Awaitable[BaseModel]]
 
 
 @dataclass(frozen=True)
 class ToolSpec:
+    """A tool: its arguments, its handler, and its answer's model. ``structured`` tools
+    declare that model as ``outputSchema`` and answer with ``structuredContent`` too; the
+    run tools, whose answer carries a command's output, answer in one text block (see
+    ``results.ok_result``) and declare none."""
+
     name: str
     description: str
     args: type[BaseModel]
     output: type[BaseModel]
     handler: Handler
     annotations: types.ToolAnnotations
+    structured: bool = True
 
     def listing(self) -> types.Tool:
+        schema = inline_refs(self.output.model_json_schema()) if self.structured else None
         return types.Tool(
             name=self.name,
             description=self.description,
             input_schema=inline_refs(self.args.model_json_schema()),
-            output_schema=inline_refs(self.output.model_json_schema()),
+            output_schema=schema,
             annotations=self.annotations,
         )
 

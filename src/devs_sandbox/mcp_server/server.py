@@ -12,6 +12,7 @@ stderr and answered "internal error".
 
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
 from collections.abc import Callable
@@ -30,6 +31,11 @@ from devs_sandbox.lifecycle.aio import run_blocking
 from devs_sandbox.mcp_server import run_tools, session_tools
 from devs_sandbox.mcp_server.auth import SERVER_NAME
 from devs_sandbox.mcp_server.env import ToolEnv
+from devs_sandbox.mcp_server.progress import (
+    PROGRESS_INTERVAL_S,
+    Report,
+    ToolCall,
+)
 from devs_sandbox.mcp_server.results import (
     ToolCallError,
     argument_problems,
@@ -68,8 +74,10 @@ class DevsMcpServer:
         multi_tenant: bool = False,
         stats_factory: Callable[[], ProcessStatsSource] | None = None,
         monitor_scheduler: Scheduler | None = None,
+        progress_interval_s: float = PROGRESS_INTERVAL_S,
     ) -> None:
         self.config = config
+        self.progress_interval_s = progress_interval_s
         self.manager = manager
         self.sessions = sessions
         self.multi_tenant = multi_tenant
@@ -118,7 +126,10 @@ class DevsMcpServer:
             caller = self._caller(ctx)
         except ToolCallError as failure:
             return error_result(failure)
-        return await self.call(params.name, params.arguments, caller)
+        # The SDK sends it only when the request asked for progress (a progress token over
+        # JSON-RPC, a callback in process); otherwise report_progress does nothing.
+        report = functools.partial(_report, ctx)
+        return await self.call(params.name, params.arguments, caller, report=report)
 
     def _caller(self, ctx: ServerRequestContext[Any]) -> Caller:
         """The tenant of this request: one per MCP session, minted on its first tool call,
@@ -156,10 +167,15 @@ class DevsMcpServer:
         logger.info("MCP session ended; %d sandbox(es) destroyed", len(gone))
 
     async def call(
-        self, name: str, arguments: dict[str, Any] | None, caller: Caller = LOCAL_CALLER
+        self,
+        name: str,
+        arguments: dict[str, Any] | None,
+        caller: Caller = LOCAL_CALLER,
+        *,
+        report: Report | None = None,
     ) -> types.CallToolResult:
         """Validate, run for ``caller``, and answer; every failure becomes an ``isError``
-        result."""
+        result. ``report`` sends a progress notification (the request asked for them)."""
         tool = self.tools.get(name)
         if tool is None:
             return error_result(
@@ -179,7 +195,12 @@ class DevsMcpServer:
                     {"error": "invalid_arguments", "problems": problems},
                 )
             )
+        call = ToolCall(caller, report, self.progress_interval_s)
         try:
-            return ok_result(await tool.handler(args, caller))
+            return ok_result(await tool.handler(args, call), structured=tool.structured)
         except Exception as exc:
-            return error_result(failure_for(exc, name, args))
+            return error_result(failure_for(exc, name))
+
+
+async def _report(ctx: ServerRequestContext[Any], progress: float, message: str) -> None:
+    await ctx.session.report_progress(progress, message=message)

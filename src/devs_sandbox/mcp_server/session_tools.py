@@ -18,7 +18,10 @@ from devs_sandbox.config import SandboxLifecycleConfig, override
 from devs_sandbox.lifecycle import Sandbox
 from devs_sandbox.lifecycle.aio import run_blocking
 from devs_sandbox.mcp_server.env import ToolEnv
-from devs_sandbox.mcp_server.results import ToolCallError
+from devs_sandbox.mcp_server.output import CallOutput
+from devs_sandbox.mcp_server.progress import ToolCall
+from devs_sandbox.mcp_server.results import ToolCallError, failure_for
+from devs_sandbox.mcp_server.run_tools import shell_output
 from devs_sandbox.mcp_server.schemas import (
     Args,
     Command,
@@ -35,9 +38,9 @@ from devs_sandbox.mcp_server.schemas import (
     ViolationsOutput,
     monitor_description,
     monitor_fields,
+    output_fields,
 )
-from devs_sandbox.mcp_server.tenancy import Caller, session_required
-from devs_sandbox.tools.shell import ShellResult
+from devs_sandbox.mcp_server.tenancy import session_required
 
 
 def tools(env: ToolEnv) -> list[ToolSpec]:
@@ -48,6 +51,7 @@ def tools(env: ToolEnv) -> list[ToolSpec]:
         sandbox_id=(SandboxId, ...),
         command=(Command, ...),
         **monitor_fields(env.config),
+        **output_fields(env.config),
     )
     ends = "when the server stops"
     ends = f"when this MCP session ends, or {ends}" if env.multi_tenant else f"or {ends}"
@@ -73,6 +77,7 @@ def tools(env: ToolEnv) -> list[ToolSpec]:
             ShellOutput,
             functools.partial(exec_, env),
             types.ToolAnnotations(destructive_hint=True, open_world_hint=False),
+            structured=False,
         ),
         ToolSpec(
             "sandbox_destroy",
@@ -115,7 +120,8 @@ def _session_config(env: ToolEnv, quotas: QuotaArgs | None) -> SandboxLifecycleC
     return override(env.sandbox_config, quotas=asked)
 
 
-async def create(env: ToolEnv, args: CreateArgs, caller: Caller) -> CreateOutput:
+async def create(env: ToolEnv, args: CreateArgs, call: ToolCall) -> CreateOutput:
+    caller = call.caller
     if not caller.session:
         raise session_required("sandbox_create")
     cfg = _session_config(env, args.quotas)
@@ -145,27 +151,37 @@ def _create_session(env: ToolEnv, cfg: SandboxLifecycleConfig, owner: str) -> Sa
     return sandbox
 
 
-async def exec_(env: ToolEnv, args: Any, caller: Caller) -> ShellOutput:
+async def exec_(env: ToolEnv, args: Any, call: ToolCall) -> ShellOutput:
+    caller = call.caller
     if not caller.session:
         raise session_required("sandbox_exec")
     sandbox_id: str = args.sandbox_id
-    result = await run_blocking(
-        lambda: env.sessions.exec(
-            sandbox_id,
-            args.command,
-            env.options(args),
-            timeout_s=args.timeout_s,
-            owner=caller.owner,
-            stats=env.stats(),
-            scheduler=env.monitor_scheduler,
-        ),
-        on_cancel=lambda: env.sessions.kill(sandbox_id, owner=caller.owner),
-        name=f"devs-sandbox-exec-{sandbox_id}",
-    )
-    return ShellOutput(**ShellResult.from_exec(result).to_json())
+    output = CallOutput(args.max_output_bytes, args.output_encoding)
+    try:
+        result = await call.with_progress(
+            lambda: run_blocking(
+                lambda: env.sessions.exec(
+                    sandbox_id,
+                    args.command,
+                    env.options(args),
+                    timeout_s=args.timeout_s,
+                    owner=caller.owner,
+                    stats=env.stats(),
+                    scheduler=env.monitor_scheduler,
+                    tap=output.tap(),
+                ),
+                on_cancel=lambda: env.sessions.kill(sandbox_id, owner=caller.owner),
+                name=f"devs-sandbox-exec-{sandbox_id}",
+            ),
+            output.progress_message,
+        )
+    except Exception as exc:
+        raise failure_for(exc, "sandbox_exec", output.fields()) from exc
+    return shell_output(result.exit_code, result.duration_s, output)
 
 
-async def destroy(env: ToolEnv, args: DestroyArgs, caller: Caller) -> DestroyOutput:
+async def destroy(env: ToolEnv, args: DestroyArgs, call: ToolCall) -> DestroyOutput:
+    caller = call.caller
     if not caller.session:
         raise session_required("sandbox_destroy")
     await run_blocking(
@@ -175,7 +191,8 @@ async def destroy(env: ToolEnv, args: DestroyArgs, caller: Caller) -> DestroyOut
     return DestroyOutput(sandbox_id=args.sandbox_id, destroyed=True)
 
 
-async def violations(env: ToolEnv, args: ViolationsArgs, caller: Caller) -> ViolationsOutput:
+async def violations(env: ToolEnv, args: ViolationsArgs, call: ToolCall) -> ViolationsOutput:
+    caller = call.caller
     if not caller.session:
         raise session_required("sandbox_violations")
     store = env.manager.store

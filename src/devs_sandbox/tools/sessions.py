@@ -48,7 +48,7 @@ from devs_sandbox.errors import (
 from devs_sandbox.lifecycle import Sandbox, SandboxLifecycleManager
 from devs_sandbox.models import ExecResult
 from devs_sandbox.scheduler import ThreadScheduler
-from devs_sandbox.tools.shell import MonitoredShellOptions, monitored_exec
+from devs_sandbox.tools.shell import MonitoredShellOptions, OutputTap, monitored_exec
 
 logger = logging.getLogger(__name__)
 
@@ -269,6 +269,7 @@ class SandboxSessions:
         owner: str = DEFAULT_OWNER,
         stats: ProcessStatsSource | None = None,
         scheduler: Scheduler | None = None,
+        tap: OutputTap | None = None,
     ) -> ExecResult:
         """Run ``command`` in the workspace of ``owner``'s session under the RSS/CPU monitor.
 
@@ -282,7 +283,13 @@ class SandboxSessions:
             self._check_alive(sandbox, owner)
             budget = min(timeout_s, self.remaining_s(sandbox_id, owner=owner))
             result = monitored_exec(
-                sandbox, command, opts, timeout_s=budget, stats=stats, scheduler=scheduler
+                sandbox,
+                command,
+                opts,
+                timeout_s=budget,
+                stats=stats,
+                scheduler=scheduler,
+                tap=tap,
             )
             self._check_alive(sandbox, owner)
         if result.timed_out:
