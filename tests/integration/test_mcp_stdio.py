@@ -263,6 +263,35 @@ def test_a_cpu_kill_and_an_rss_kill(tmp_path: Path) -> None:
     server.assert_nothing_left()
 
 
+@pytest.mark.cgroups
+def test_a_kernel_oom_kill_in_a_session_is_reported_by_the_call_that_caused_it(
+    tmp_path: Path,
+) -> None:
+    """The memory cgroup OOM-kills the command (the RSS monitor's limit is far above): that
+    call says the quota was broken and the sandbox destroyed; before the fix it read as a
+    plain exit 137, and the next command (an echo) was the one reported as the violation."""
+    server = Server(tmp_path)
+    hog = f"{PY} -c \"x = b'x' * (400 << 20)\""
+
+    async def scenario(client: Client) -> None:
+        r = await server.call(client, "sandbox_create", {"quotas": {"memory_bytes": 96 << 20}})
+        sid = tool_answer(r)["sandbox_id"]
+        r = await server.call(client, "sandbox_exec", {"sandbox_id": sid, "command": "echo ok"})
+        assert tool_answer(r)["stdout"] == "ok\n"
+        r = await server.call(client, "sandbox_exec", {"sandbox_id": sid, "command": hog})
+        text = error_text(r)
+        assert text.startswith("sandbox quota exceeded: MEMORY_EXCEEDED"), text
+        assert "the sandbox destroyed" in text
+        assert tool_answer(r)["exit_code"] == 137
+        r = await server.call(client, "sandbox_exec", {"sandbox_id": sid, "command": "echo x"})
+        assert error_text(r) == f"no such sandbox: '{sid}' (terminated for MEMORY_EXCEEDED)"
+        r = await server.call(client, "sandbox_destroy", {"sandbox_id": sid})
+        assert error_text(r) == f"no such sandbox: '{sid}' (terminated for MEMORY_EXCEEDED)"
+
+    server.run(scenario)
+    server.assert_nothing_left()
+
+
 def test_a_multi_step_session_then_stdin_eof_destroys_everything(tmp_path: Path) -> None:
     server = Server(tmp_path)
     tag = marker()

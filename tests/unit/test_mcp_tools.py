@@ -6,6 +6,7 @@ tests/integration/test_mcp_stdio.py."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,14 @@ from devs_sandbox.lifecycle import SandboxLifecycleManager
 from devs_sandbox.lifecycle.sampling import ScriptedProcessStats
 from devs_sandbox.lifecycle.timeout import SandboxTimeoutEnforcer
 from devs_sandbox.mcp_server import LOCAL_CALLER, Caller, DevsMcpServer
-from devs_sandbox.models import DetectionRule, ExecResult, TreeSample, Violation, ViolationType
+from devs_sandbox.models import (
+    DetectionRule,
+    ExecResult,
+    SandboxMetrics,
+    TreeSample,
+    Violation,
+    ViolationType,
+)
 from devs_sandbox.scheduler import FakeScheduler
 from devs_sandbox.store import ViolationStore
 from devs_sandbox.tools.sessions import SandboxSessions
@@ -54,10 +62,11 @@ class Harness:
         config: DevsConfig | None = None,
         script: Sequence[TreeSample | None] = (PRIME,),
         seconds: int = 3,
+        driver: type[PidDriver] | None = None,
     ) -> None:
         self.sched = FakeScheduler()
         self.script = list(script)
-        self.driver = PidDriver(exec_handler=self._exec)
+        self.driver = (driver or PidDriver)(exec_handler=self._exec)
         self.seconds = seconds
         self.config = config or DevsConfig()
         self.manager = SandboxLifecycleManager(
@@ -606,3 +615,89 @@ def test_max_sessions_per_client_is_a_clear_tool_error(tmp_path: Path) -> None:
         assert not (await h.app.call("sandbox_create", {}, BOB)).is_error
 
     h.run_calls(scenario)
+
+
+# -- session semantics (issue 13): a violation is reported by the call that caused it ---------
+def test_a_kernel_oom_kill_is_reported_by_the_call_that_caused_it(tmp_path: Path) -> None:
+    """The kernel OOM-kills the command between two polls: the call that ran it (exit 137)
+    reports the quota and that the sandbox is gone, not the next call (even an echo)."""
+    h = Harness(tmp_path)
+    ran_oom: set[str] = set()
+    fake_exec = h._exec
+
+    def exec_(sb: FakeSandbox, cmd: Sequence[str]) -> ExecResult:
+        if cmd[-1] == "oom":
+            ran_oom.add(sb.ctx.id)
+            return ExecResult(137, ok_result().stdout, ok_result().stderr, 0.5)
+        return fake_exec(sb, cmd)
+
+    h.driver.exec_handler = exec_
+    h.driver._metrics_handler = lambda sb: SandboxMetrics(
+        sb.ctx.id, time.monotonic(), oom_kills=1 if sb.ctx.id in ran_oom else 0
+    )
+
+    async def scenario(client: Client) -> None:
+        sid = tool_answer(await client.call_tool("sandbox_create", {}))["sandbox_id"]
+        ok = await client.call_tool("sandbox_exec", {"sandbox_id": sid, "command": "echo fine"})
+        assert tool_answer(ok)["exit_code"] == 0
+        r = await client.call_tool("sandbox_exec", {"sandbox_id": sid, "command": "oom"})
+        text = error_text(r)
+        assert text.startswith("sandbox quota exceeded: MEMORY_EXCEEDED") and "destroyed" in text
+        assert tool_answer(r)["violation"]["type"] == "MEMORY_EXCEEDED"
+        assert tool_answer(r)["exit_code"] == 137
+        r = await client.call_tool("sandbox_exec", {"sandbox_id": sid, "command": "echo x"})
+        assert error_text(r) == f"no such sandbox: '{sid}' (terminated for MEMORY_EXCEEDED)"
+        r = await client.call_tool("sandbox_destroy", {"sandbox_id": sid})
+        assert error_text(r) == f"no such sandbox: '{sid}' (terminated for MEMORY_EXCEEDED)"
+
+    h.run(scenario)
+    assert h.driver.destroyed == [next(iter(ran_oom))]
+
+
+class StopsWithItsCommand(PidDriver):
+    """As a container whose init dies with the command: a kill takes the sandbox along."""
+
+    def force_stop(self, ctx: Any) -> None:
+        super().force_stop(ctx)
+        with self._lock:
+            self.sandboxes.pop(ctx.id, None)
+
+
+def test_a_kill_that_stops_the_sandbox_says_so_on_that_call_and_after(tmp_path: Path) -> None:
+    hog = TreeSample(rss_bytes=1 << 30, cpu_percent=1.0)
+    h = Harness(tmp_path, script=[PRIME, hog], driver=StopsWithItsCommand)
+
+    async def scenario(client: Client) -> None:
+        sid = tool_answer(await client.call_tool("sandbox_create", {}))["sandbox_id"]
+        r = await client.call_tool(
+            "sandbox_exec", {"sandbox_id": sid, "command": "hog", "rss_limit_bytes": 1 << 29}
+        )
+        text = error_text(r)
+        assert text.startswith(f"Process {PID} exceeded rss limit")
+        why = "stopped when its command was killed for rss (the fake driver's kill reaches"
+        assert f"; the sandbox is gone: {why}" in text
+        assert tool_answer(r)["sandbox_gone"].startswith(why)
+        for tool, args in (
+            ("sandbox_exec", {"sandbox_id": sid, "command": "echo x"}),
+            ("sandbox_destroy", {"sandbox_id": sid}),
+        ):
+            r = await client.call_tool(tool, args)
+            assert error_text(r).startswith(f"no such sandbox: '{sid}' ({why}"), tool
+
+    h.run(scenario)
+
+
+def test_a_sandbox_lost_underneath_is_ended_and_said_so(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+
+    async def scenario(client: Client) -> None:
+        sid = tool_answer(await client.call_tool("sandbox_create", {}))["sandbox_id"]
+        with h.driver._lock:
+            h.driver.sandboxes.pop(sid)  # its container died on its own
+        lost = f"no such sandbox: '{sid}' (lost: the fake driver no longer has it)"
+        r = await client.call_tool("sandbox_exec", {"sandbox_id": sid, "command": "echo x"})
+        assert error_text(r) == lost
+        r = await client.call_tool("sandbox_destroy", {"sandbox_id": sid})
+        assert error_text(r) == lost  # not "destroyed: true"
+
+    h.run(scenario)

@@ -15,6 +15,7 @@ from mcp import types
 from pydantic import create_model
 
 from devs_sandbox.config import SandboxLifecycleConfig, override
+from devs_sandbox.errors import ExecTimeoutError, ResourceLimitExceededError
 from devs_sandbox.lifecycle import Sandbox
 from devs_sandbox.lifecycle.aio import run_blocking
 from devs_sandbox.mcp_server.env import ToolEnv
@@ -72,7 +73,8 @@ def tools(env: ToolEnv) -> list[ToolSpec]:
             "Run a shell command in the workspace of a sandbox from sandbox_create (files "
             "persist between calls). "
             + monitor_description(env.config)
-            + " The sandbox survives a kill.",
+            + " The sandbox survives a kill; if a kill or a quota ends it, the error says "
+            "so (and why) on the call that caused it.",
             exec_args,
             ShellOutput,
             functools.partial(exec_, env),
@@ -176,7 +178,16 @@ async def exec_(env: ToolEnv, args: Any, call: ToolCall) -> ShellOutput:
             output.progress_message,
         )
     except Exception as exc:
-        raise failure_for(exc, "sandbox_exec", output.fields()) from exc
+        failure = failure_for(exc, "sandbox_exec", output.fields())
+        gone = ""
+        if isinstance(exc, ResourceLimitExceededError | ExecTimeoutError):
+            gone = env.sessions.ended_why(sandbox_id, caller.owner)
+        if gone:  # the kill took the sandbox with it: say so on this call
+            failure = ToolCallError(
+                f"{failure.message}; the sandbox is gone: {gone}",
+                {**failure.data, "sandbox_gone": gone},
+            )
+        raise failure from exc
     return shell_output(result.exit_code, result.duration_s, output)
 
 
