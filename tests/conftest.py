@@ -53,6 +53,7 @@ def _capabilities() -> dict[str, str]:
     caps["tmpfs"] = _tmpfs_reason()
     caps["docker"] = _docker_reason()
     caps["ray"] = _ray_reason()
+    caps["node"] = _node_reason()
     caps["cgroup_v2"] = (
         ""
         if host.cgroup.version == 2
@@ -102,9 +103,20 @@ def _ray_reason() -> str:
     return ""
 
 
+def _node_reason() -> str:
+    """The official TypeScript MCP clients: Node.js and tests/mcp_clients' pinned packages."""
+    import shutil
+
+    if shutil.which("node") is None:
+        return "Node.js not installed (apt-get install nodejs npm)"
+    if not (ROOT / "tests" / "mcp_clients" / "node_modules" / "@modelcontextprotocol").is_dir():
+        return "the MCP clients are not installed: npm ci --prefix tests/mcp_clients"
+    return ""
+
+
 _CAPS: dict[str, str] = {}
 # Markers whose absence on a REQUIRE_ALL host is a CI failure, not a skip.
-_REQUIRED_ON_CI = {"root", "cgroups", "bwrap", "unshare", "tmpfs", "docker", "ray"}
+_REQUIRED_ON_CI = {"root", "cgroups", "bwrap", "unshare", "tmpfs", "docker", "ray", "node"}
 
 
 def caps() -> dict[str, str]:
@@ -114,7 +126,17 @@ def caps() -> dict[str, str]:
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    for name in ("root", "cgroups", "bwrap", "unshare", "tmpfs", "docker", "cgroup_v2", "ray"):
+    for name in (
+        "root",
+        "cgroups",
+        "bwrap",
+        "unshare",
+        "tmpfs",
+        "docker",
+        "cgroup_v2",
+        "ray",
+        "node",
+    ):
         if item.get_closest_marker(name) is None:
             continue
         reason = caps().get(name, "")

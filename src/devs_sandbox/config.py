@@ -494,6 +494,11 @@ class McpConfig(_Model):
     timeout_s: Annotated[float, Field(gt=0, le=MAX_CALL_TIMEOUT_S)] = 300.0
     """run_shell_monitored and sandbox_exec: default per-call timeout."""
 
+    max_output_bytes: Annotated[StrictInt, Field(ge=64, le=1 * GiB)] = 64 * KiB
+    """run_shell_monitored and sandbox_exec: default bytes kept of each of stdout and stderr
+    (head and tail), sized for an agent's context; a call may ask for up to
+    sandbox.maxOutputBytes."""
+
     max_timeout_s: Annotated[float, Field(gt=0, le=MAX_CALL_TIMEOUT_S)] = 3_600.0
     """Most an agent may ask for in a call's timeout_s; the tools refuse more. (The
     sandbox's quotas cap memory, processes and disk whatever a call asks; time has only

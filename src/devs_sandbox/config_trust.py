@@ -138,11 +138,13 @@ RULES: Final[Mapping[str, Rule]] = {
     "mcp.cpuSustainedMs": Rule.LOWER,
     "mcp.pollIntervalMs": Rule.OPERATOR,  # as sandbox.quotas.pollIntervalMs
     "mcp.timeoutS": Rule.LOWER,
+    "mcp.maxOutputBytes": Rule.LOWER,
     "mcp.maxTimeoutS": Rule.LOWER,
     "mcp.sessionIdleTimeoutS": Rule.LOWER,
     "mcp.sessionTimeoutS": Rule.LOWER,
     "mcp.maxSessions": Rule.LOWER,
-    "mcp.maxSessionsPerClient": Rule.LOWER,  # unset (no share per client) is the loosest
+    # One HTTP client's share of maxSessions: null (no share) is the loosest.
+    "mcp.maxSessionsPerClient": Rule.LOWER,
 }
 
 

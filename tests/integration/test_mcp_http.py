@@ -32,6 +32,7 @@ import httpx2
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 
+from tests.contracts import tool_answer
 from tests.integration.helpers import processes_with, wait_for
 from tests.integration.test_mcp_stdio import (
     PY,
@@ -136,14 +137,14 @@ class HttpServer:
 
 async def _rows(server: Server, client: Client, **args: Any) -> list[dict[str, Any]]:
     r = await server.call(client, "sandbox_violations", args)
-    assert not r.is_error and r.structured_content is not None, r
-    rows: list[dict[str, Any]] = r.structured_content["violations"]
+    assert not r.is_error and tool_answer(r) is not None, r
+    rows: list[dict[str, Any]] = tool_answer(r)["violations"]
     return rows
 
 
 async def _rss_kill(server: Server, client: Client, tool: str, **args: Any) -> None:
     r = await server.call(client, tool, {**RSS_KILL, **args})
-    assert r.structured_content is not None and r.structured_content.get("reason") == "rss", r
+    assert tool_answer(r) is not None and tool_answer(r).get("reason") == "rss", r
 
 
 async def _gone(path: Path, timeout_s: float = 30) -> bool:
@@ -162,9 +163,9 @@ def test_one_session_cannot_reach_another_sessions_sandboxes(tmp_path: Path) -> 
             async with http.client() as bob:
                 async with http.client() as alice:
                     r = await srv.call(alice, "sandbox_create", {})
-                    assert not r.is_error and r.structured_content is not None, r
-                    sid = r.structured_content["sandbox_id"]
-                    alices_workspace = Path(r.structured_content["workspace"])
+                    assert not r.is_error and tool_answer(r) is not None, r
+                    sid = tool_answer(r)["sandbox_id"]
+                    alices_workspace = Path(tool_answer(r)["workspace"])
                     write = {"sandbox_id": sid, "command": "echo secret > notes.txt"}
                     assert not (await srv.call(alice, "sandbox_exec", write)).is_error
                     # Real violations: in her sandbox, and in a one-shot run of hers.
@@ -183,7 +184,7 @@ def test_one_session_cannot_reach_another_sessions_sandboxes(tmp_path: Path) -> 
                     ):
                         r = await srv.call(bob, tool, args)
                         assert error_text(r) == error_text(never).replace("sb-000000000000", sid)
-                        assert r.structured_content == {
+                        assert tool_answer(r) == {
                             "error": "sandbox_not_found",
                             "sandbox_id": sid,
                             "detail": "",
@@ -198,12 +199,12 @@ def test_one_session_cannot_reach_another_sessions_sandboxes(tmp_path: Path) -> 
                     # Alice carries on as if nothing happened.
                     read = {"sandbox_id": sid, "command": "cat notes.txt"}
                     r = await srv.call(alice, "sandbox_exec", read)
-                    assert r.structured_content is not None, r
-                    assert r.structured_content["stdout"] == "secret\n"
+                    assert tool_answer(r) is not None, r
+                    assert tool_answer(r)["stdout"] == "secret\n"
                     r = await srv.call(bob, "sandbox_create", {})
-                    assert r.structured_content is not None, r
-                    bobs_sid = r.structured_content["sandbox_id"]
-                    bobs_workspace = Path(r.structured_content["workspace"])
+                    assert tool_answer(r) is not None, r
+                    bobs_sid = tool_answer(r)["sandbox_id"]
+                    bobs_workspace = Path(tool_answer(r)["workspace"])
                     assert alices_workspace.is_dir()
                 # Alice's client left (its DELETE ended the session): her sandbox is gone,
                 # Bob's is not, and he learns nothing about hers.
@@ -212,8 +213,8 @@ def test_one_session_cannot_reach_another_sessions_sandboxes(tmp_path: Path) -> 
                 r = await srv.call(bob, "sandbox_exec", {"sandbox_id": sid, "command": "ls"})
                 assert error_text(r) == f"no such sandbox: '{sid}'"
                 r = await srv.call(bob, "sandbox_exec", {"sandbox_id": bobs_sid, "command": "pwd"})
-                assert r.structured_content is not None, r
-                assert r.structured_content["stdout"] == f"{bobs_workspace}\n"
+                assert tool_answer(r) is not None, r
+                assert tool_answer(r)["stdout"] == f"{bobs_workspace}\n"
 
         anyio.run(main)
         assert http.stop() == 128 + signal.SIGTERM
@@ -228,9 +229,9 @@ def test_server_exit_destroys_the_sandboxes_of_open_sessions(tmp_path: Path) -> 
         async def main() -> None:
             async with http.client() as client:
                 r = await srv.call(client, "sandbox_create", {})
-                assert r.structured_content is not None, r
-                sid = r.structured_content["sandbox_id"]
-                workspace = Path(r.structured_content["workspace"])
+                assert tool_answer(r) is not None, r
+                sid = tool_answer(r)["sandbox_id"]
+                workspace = Path(tool_answer(r)["workspace"])
 
                 async def doomed() -> None:
                     # Its answer never comes: the server stops under it.

@@ -22,7 +22,7 @@ def test_without_the_sdk_the_error_names_the_extra(
 ) -> None:
     monkeypatch.setitem(sys.modules, "mcp", None)  # import mcp -> ModuleNotFoundError
     for name in [m for m in sys.modules if m.split(".")[:2] == ["devs_sandbox", "mcp_server"]]:
-        monkeypatch.delitem(sys.modules, name)  # the package and its modules, imported anew
+        monkeypatch.delitem(sys.modules, name)  # the package and its modules, re-imported
     monkeypatch.delattr(devs_sandbox, "mcp_server", raising=False)  # else no re-import
     assert cli.main(["mcp"]) == 1
     err = capsys.readouterr().err

@@ -134,16 +134,22 @@ def test_weakening_outside_the_sandbox_section_is_refused_too(
     assert err.value.key == key
 
 
-def test_a_per_client_session_share_may_only_shrink(places: dict[str, Path]) -> None:
-    """Unset (any client may take every session) is the loosest: a repository may set a
-    share, or lower the operator's, never raise or unset it."""
+def test_a_working_directory_file_may_lower_the_per_client_share_but_not_raise_it(
+    places: dict[str, Path],
+) -> None:
+    """One HTTP client's share of the MCP sandboxes: a repository's file may set or lower
+    it (tighter), never raise it above the operator's nor unset it (no share at all)."""
+    repo_file = places["repo"] / "devs.config.json"
+    write(repo_file, {"mcp": {"maxSessionsPerClient": 2}})
+    assert load(places).config.mcp.max_sessions_per_client == 2  # unset (no share) -> 2
     write(places["user"], {"mcp": {"maxSessionsPerClient": 4}})
-    write(places["repo"] / "devs.config.json", {"mcp": {"maxSessionsPerClient": 2}})
-    assert load(places).config.mcp.max_sessions_per_client == 2
-    write(places["repo"] / "devs.config.json", {"mcp": {"maxSessionsPerClient": 8}})
-    with pytest.raises(UntrustedConfigError) as err:
-        load(places)
-    assert err.value.key == "mcp.maxSessionsPerClient"
+    write(repo_file, {"mcp": {"maxSessionsPerClient": 3}})
+    assert load(places).config.mcp.max_sessions_per_client == 3
+    for weaker in (5, None):
+        write(repo_file, {"mcp": {"maxSessionsPerClient": weaker}})
+        with pytest.raises(UntrustedConfigError) as err:
+            load(places)
+        assert err.value.key == "mcp.maxSessionsPerClient"
 
 
 def test_a_tightening_working_directory_file_is_honoured(places: dict[str, Path]) -> None:

@@ -77,6 +77,13 @@ class Sandbox:
     def remaining_s(self) -> float:
         return self.config.timeout_s - (time.monotonic() - self.opened_at)
 
+    def settle(self, result: ExecResult) -> Violation | None:
+        """After one exec of a sandbox that lives on (an MCP session): record now what the
+        kernel enforced during it between two polls (an OOM kill, SIGXFSZ), as a one-shot
+        run does at its end, so the exec that broke the quota is the one that reports it.
+        Returns the sandbox's violation, if any."""
+        return self.manager._final_violation(self, result)
+
     def exec(self, command: str | Sequence[str] | ExecRequest, **options: Any) -> ExecResult:
         """Run one command in this sandbox's workspace (a str goes through ``sh -c``).
 

@@ -1,9 +1,5 @@
 """The MCP server: agents reach devs-sandbox as tools, over stdio or streamable HTTP.
 
-Modules: ``schemas`` (arguments, results, tool errors), ``server`` (``DevsMcpServer``: the
-tools and who calls them), ``transport`` (stdio, HTTP, the bearer token, ``serve``),
-``constants``.
-
 The only package that imports the MCP SDK (``mcp``; its 2.x line renamed ``FastMCP`` to
 ``MCPServer`` and moved the wire types to ``mcp_types``: that churn stays here). It is a
 thin shell over the library: ``run_shell_monitored`` for one-shot commands,
@@ -13,24 +9,23 @@ trail, and ``DevsConfig.mcp`` for every default.
 Tools (REQ: 3_MCP-REQ-SEC-002, every command runs monitored):
 
 - ``run_shell_monitored {command, timeout_s?, rss_limit_bytes?, cpu_sustained_ms?,
-  poll_interval_ms?}``: a fresh sandbox per call;
+  poll_interval_ms?}``: a fresh sandbox per call (``run_tools``);
 - ``sandbox_create {quotas?}``, ``sandbox_exec {sandbox_id, command, ...}``,
   ``sandbox_destroy {sandbox_id}``: a sandbox whose workspace persists between calls;
-- ``sandbox_violations {limit?, sandbox_id?}``: recent rows of the store.
+  ``sandbox_violations {limit?, sandbox_id?}``: recent rows of the store
+  (``session_tools``).
 
-Why the low-level ``Server`` rather than ``MCPServer``: the tools' input schemas carry the
-configured defaults and the config's bounds, unknown arguments are refused (an agent's
-``timeout`` for ``timeout_s`` must not be silently ignored), argument errors read as one
-line per field, and a kill is an ``isError`` result whose structured content carries
-``{pid, reason, value, limit}``. All of that is plain pydantic and ``CallToolResult`` here.
+Modules, one concern each: ``schemas`` (arguments, outputs, listings), ``results`` (every
+answer and error as a ``CallToolResult``), ``tenancy`` (who a call acts for), ``auth``
+(bearer token, loopback rule, DNS rebinding), ``server`` (the registry and the SDK's
+``Server``), ``app`` (stdio/HTTP and the cleanup at exit).
 
-Tenancy over HTTP (``serve(http=True)``): every sandbox a call makes (``sandbox_create``,
-and the fresh sandbox of each ``run_shell_monitored``) belongs to the MCP session of that
-call. Another session's ``sandbox_exec``/``sandbox_destroy`` on it is answered exactly as
-for an id that never existed; ``sandbox_violations`` lists the caller's own sandboxes'
-rows only; the session's sandboxes are destroyed when the session ends (the client's
-DELETE, the SDK's idle expiry, the server stopping). A request without a session (the
-sessionless 2026-07-28 protocol) may run ``run_shell_monitored`` only, and
+Tenancy over HTTP (``serve(http=True)``): every sandbox a call makes belongs to the MCP
+session of that call. Another session's ``sandbox_exec``/``sandbox_destroy`` on it is
+answered exactly as for an id that never existed; ``sandbox_violations`` lists the
+caller's own sandboxes' rows only; the session's sandboxes are destroyed when the session
+ends (the client's DELETE, the SDK's idle expiry, the server stopping). A request without
+a session (the sessionless 2026-07-28 protocol) may run ``run_shell_monitored`` only, and
 ``server/discover`` advertises the handshake versions alone, so the SDK's ``mode='auto'``
 clients open a session. ``--auth-token-file`` adds a bearer token to every request
 (``BearerTokenAuth``); a loopback bind gets the SDK's Host/Origin checks against DNS
@@ -44,16 +39,19 @@ someone else's; when the server stops (stdin EOF, SIGTERM, SIGINT) every sandbox
 is destroyed before the process exits.
 """
 
-from devs_sandbox.mcp_server.constants import (
-    DEFAULT_HTTP_HOST,
-    DEFAULT_HTTP_PORT,
-    HTTP_PATH,
+from __future__ import annotations
+
+from devs_sandbox.mcp_server.app import DEFAULT_HTTP_HOST, DEFAULT_HTTP_PORT, HTTP_PATH, serve
+from devs_sandbox.mcp_server.auth import (
     MIN_TOKEN_CHARS,
     SERVER_NAME,
+    BearerTokenAuth,
+    is_loopback,
+    read_auth_token,
 )
-from devs_sandbox.mcp_server.schemas import LOCAL_CALLER, Caller, ToolCallError
+from devs_sandbox.mcp_server.results import ToolCallError
 from devs_sandbox.mcp_server.server import DevsMcpServer
-from devs_sandbox.mcp_server.transport import is_loopback, read_auth_token, serve
+from devs_sandbox.mcp_server.tenancy import LOCAL_CALLER, Caller
 
 __all__ = [
     "DEFAULT_HTTP_HOST",
@@ -62,6 +60,7 @@ __all__ = [
     "LOCAL_CALLER",
     "MIN_TOKEN_CHARS",
     "SERVER_NAME",
+    "BearerTokenAuth",
     "Caller",
     "DevsMcpServer",
     "ToolCallError",

@@ -1,13 +1,18 @@
-"""The tools' arguments and results, as pydantic models (their JSON Schemas are the
-tools' inputSchema and outputSchema), and how a failure becomes a tool error result."""
+"""What the tools take and answer: argument and output models, and each tool's listing.
 
-import json
-import logging
+Arguments are strict (JSON types, unknown keys refused: an agent's ``timeout`` for
+``timeout_s`` must not be silently ignored) and carry the configured defaults and bounds
+in their JSON Schema, so ``tools/list`` tells an agent what the server will accept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Annotated, Any, Final
+from typing import TYPE_CHECKING, Annotated, Any, Final, Literal
 
 from mcp import types
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from devs_sandbox.config import (
     MAX_CPU_SUSTAINED_MS,
@@ -16,26 +21,16 @@ from devs_sandbox.config import (
     MIN_RSS_LIMIT_BYTES,
     DevsConfig,
 )
-from devs_sandbox.errors import (
-    ConfigError,
-    DevsSandboxError,
-    ExecTimeoutError,
-    QuotaExceededError,
-    ResourceLimitExceededError,
-    SandboxNotFoundError,
-    SandboxPreFlightError,
-    SandboxTimeoutError,
-    SessionLimitError,
-)
-from devs_sandbox.mcp_server.constants import DEFAULT_VIOLATIONS_LIMIT, MAX_VIOLATIONS_LIMIT
-from devs_sandbox.models import SANDBOX_ID_PATTERN, ExecResult
+from devs_sandbox.models import SANDBOX_ID_PATTERN
 from devs_sandbox.monitors.usage import cpu_busy_threshold
-from devs_sandbox.tools.sessions import DEFAULT_OWNER
-from devs_sandbox.tools.shell import ShellResult
 
-logger = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from devs_sandbox.mcp_server.progress import ToolCall
 
-# -- argument and result models -------------------------------------------------------------
+DEFAULT_VIOLATIONS_LIMIT: Final = 20
+MIN_OUTPUT_BYTES: Final = 64  # as sandbox.maxOutputBytes
+MAX_VIOLATIONS_LIMIT: Final = 1_000
+
 Command = Annotated[
     str,
     Field(
@@ -52,7 +47,7 @@ SandboxId = Annotated[
 ]
 
 
-class _Args(BaseModel):
+class Args(BaseModel):
     """Tool arguments: strict JSON types, unknown keys refused."""
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
@@ -67,7 +62,7 @@ class _Args(BaseModel):
         return v
 
 
-def _monitor_fields(cfg: DevsConfig) -> dict[str, Any]:
+def monitor_fields(cfg: DevsConfig) -> dict[str, Any]:
     """The monitor's arguments, their defaults taken from the config's ``mcp`` section."""
     mcp = cfg.mcp
     busy = cpu_busy_threshold(mcp.cpu_sustained_ms)
@@ -114,6 +109,45 @@ def _monitor_fields(cfg: DevsConfig) -> dict[str, Any]:
     }
 
 
+def output_fields(cfg: DevsConfig) -> dict[str, Any]:
+    """How much of a command's output comes back, and how: the run tools' last arguments."""
+    ceiling = cfg.sandbox.max_output_bytes
+    return {
+        "max_output_bytes": (
+            int,
+            Field(
+                default=min(cfg.mcp.max_output_bytes, ceiling),
+                ge=MIN_OUTPUT_BYTES,
+                le=ceiling,
+                description="Bytes kept of each of stdout and stderr: the first and the last "
+                "halves when there is more (the middle is dropped and counted).",
+            ),
+        ),
+        "output_encoding": (
+            Literal["text", "base64"],
+            Field(
+                default="text",
+                description="text: UTF-8, bytes that are not read U+FFFD and the stream is "
+                "flagged *_binary; base64: the bytes exactly.",
+            ),
+        ),
+    }
+
+
+def monitor_description(cfg: DevsConfig) -> str:
+    """The kill conditions of a run tool, in its description, with the configured defaults."""
+    mcp = cfg.mcp
+    busy = cpu_busy_threshold(mcp.cpu_sustained_ms)
+    return (
+        f"Killed (SIGKILL to every process) when its process tree's resident memory exceeds "
+        f"rss_limit_bytes (default {mcp.rss_limit_bytes}), or when it keeps a full core busy "
+        f"(on average >= {busy:g}% of one core, counting time waiting for a CPU) over "
+        "cpu_sustained_ms "
+        f"(default {mcp.cpu_sustained_ms}); a kill is an error result with structured "
+        "{pid, reason, value, limit}."
+    )
+
+
 class QuotaArgs(BaseModel):
     """Quotas an agent may set on its sandbox: tighter than the server's, never looser."""
 
@@ -137,17 +171,17 @@ class QuotaArgs(BaseModel):
     """CPU bandwidth cap in cores."""
 
 
-class CreateArgs(_Args):
+class CreateArgs(Args):
     quotas: QuotaArgs | None = Field(
         None, description="Optional limits, each at most the server's configured one."
     )
 
 
-class DestroyArgs(_Args):
+class DestroyArgs(Args):
     sandbox_id: SandboxId
 
 
-class ViolationsArgs(_Args):
+class ViolationsArgs(Args):
     limit: int = Field(
         DEFAULT_VIOLATIONS_LIMIT, ge=1, le=MAX_VIOLATIONS_LIMIT, description="Most rows returned."
     )
@@ -155,15 +189,24 @@ class ViolationsArgs(_Args):
 
 
 class ShellOutput(BaseModel):
-    """What a command printed and how it ended, when it ended on its own."""
+    """What a command printed and how it ended, when it ended on its own: the JSON text of
+    a run tool's answer (the error answers of a kill carry the same output fields)."""
 
     exit_code: int = Field(description="The command's status; 128+N when signal N ended it.")
-    stdout: str
+    stdout: str = Field(description="Text, or base64 with output_encoding='base64'.")
     stderr: str
     stdout_truncated: bool = Field(
         description="The middle of stdout was dropped (head and tail kept)."
     )
     stderr_truncated: bool
+    stdout_bytes: int = Field(description="Bytes the command wrote to stdout in all.")
+    stderr_bytes: int
+    stdout_binary: bool = Field(
+        description="stdout is not UTF-8 text: as text its invalid bytes read U+FFFD; ask "
+        "output_encoding='base64' for the bytes."
+    )
+    stderr_binary: bool
+    encoding: Literal["text", "base64"]
     duration_s: float
 
 
@@ -195,138 +238,51 @@ class ViolationsOutput(BaseModel):
     violations: list[ViolationRow]
 
 
-# -- tool errors ----------------------------------------------------------------------------
-class ToolCallError(Exception):
-    """A tool's answer that is an error: ``message`` for the model, ``data`` as structured
-    content. Raised inside handlers, turned into ``isError`` results in one place."""
-
-    def __init__(self, message: str, data: dict[str, Any]) -> None:
-        super().__init__(message)
-        self.message = message
-        self.data = data
+# -- listings -------------------------------------------------------------------------------
+Handler = Callable[[Any, "ToolCall"], Awaitable[BaseModel]]
 
 
 @dataclass(frozen=True)
-class Caller:
-    """Whom a tool call acts for.
+class ToolSpec:
+    """A tool: its arguments, its handler, and its answer's model. ``structured`` tools
+    declare that model as ``outputSchema`` and answer with ``structuredContent`` too; the
+    run tools, whose answer carries a command's output, answer in one text block (see
+    ``results.ok_result``) and declare none."""
 
-    ``owner`` tags every sandbox the call makes and is the only key that finds them again
-    (``SandboxSessions``); ``session`` is False for a request outside any MCP session,
-    which may run one-shot commands only; ``sees_all_rows`` lets ``sandbox_violations``
-    show the whole store (the one client of a stdio server is the host's operator).
-    """
+    name: str
+    description: str
+    args: type[BaseModel]
+    output: type[BaseModel]
+    handler: Handler
+    annotations: types.ToolAnnotations
+    structured: bool = True
 
-    owner: str
-    session: bool = True
-    sees_all_rows: bool = False
-
-
-LOCAL_CALLER: Final = Caller(DEFAULT_OWNER, sees_all_rows=True)
-
-
-def _session_required(tool: str) -> ToolCallError:
-    return ToolCallError(
-        f"{tool} needs an MCP session and this request has none (the 2026-07-28 protocol "
-        "is sessionless; a sandbox kept between calls belongs to a session): connect with "
-        "the initialize handshake, e.g. mcp.Client(url, mode='legacy'); run_shell_monitored "
-        "works without one",
-        {"error": "session_required"},
-    )
-
-
-def _output(result: ExecResult | None) -> dict[str, Any]:
-    return {} if result is None else ShellResult.from_exec(result).to_json()
-
-
-def _argument_problems(exc: ValidationError) -> list[dict[str, str]]:
-    problems = []
-    for err in exc.errors(include_url=False):
-        field = ".".join(str(p) for p in err["loc"]) or "(arguments)"
-        msg = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "extra_forbidden":
-            msg = "unknown argument"
-        elif err["type"] != "missing":
-            msg += f" (got {err.get('input')!r})"
-        problems.append({"field": field, "message": msg})
-    return problems
-
-
-def _failure_for(exc: BaseException, tool: str, args: BaseModel | None) -> ToolCallError:
-    """One place that turns what the library raised into what the agent reads."""
-    if isinstance(exc, ToolCallError):
-        return exc
-    if isinstance(exc, ResourceLimitExceededError):
-        unit = "bytes" if exc.reason == "rss" else "% of one core"
-        option = "rss_limit_bytes" if exc.reason == "rss" else "cpu_sustained_ms"
-        return ToolCallError(
-            f"{exc} ({unit}): every process of the command was killed; fix the command "
-            f"or raise {option}",
-            {
-                "error": "resource_limit_exceeded",
-                "pid": exc.pid,
-                "reason": exc.reason,
-                "value": exc.value,
-                "limit": exc.limit,
-                **_output(exc.result),
-            },
+    def listing(self) -> types.Tool:
+        schema = inline_refs(self.output.model_json_schema()) if self.structured else None
+        return types.Tool(
+            name=self.name,
+            description=self.description,
+            input_schema=inline_refs(self.args.model_json_schema()),
+            output_schema=schema,
+            annotations=self.annotations,
         )
-    if isinstance(exc, SandboxTimeoutError | ExecTimeoutError):
-        seconds = exc.timeout_s
-        if isinstance(exc, ExecTimeoutError):
-            result = exc.result
-        else:
-            result = exc.outcome.result if exc.outcome is not None else None
-        if isinstance(exc, SandboxTimeoutError) and exc.idle:
-            message = (
-                f"the command printed nothing for {seconds:g} s and every process of it was "
-                "killed (sandbox.idleTimeoutMs)"
-            )
-        else:
-            message = (
-                f"the command timed out after {seconds:g} s and every process of it was killed "
-                "(raise timeout_s)"
-            )
-        return ToolCallError(message, {"error": "timeout", "timeout_s": seconds, **_output(result)})
-    if isinstance(exc, QuotaExceededError):
-        v = exc.violation
-        result = exc.outcome.result if exc.outcome is not None else None
-        gone = " and the sandbox destroyed" if tool == "sandbox_exec" else ""
-        return ToolCallError(
-            f"sandbox quota exceeded: {v.type} (observed {v.observed_value}, limit "
-            f"{v.limit_value}); every process was killed{gone}",
-            {"error": "quota_exceeded", "violation": v.to_json(), **_output(result)},
-        )
-    if isinstance(exc, SandboxNotFoundError):
-        return ToolCallError(
-            str(exc),
-            {"error": "sandbox_not_found", "sandbox_id": exc.sandbox_id, "detail": exc.detail},
-        )
-    if isinstance(exc, SessionLimitError):
-        return ToolCallError(str(exc), {"error": "too_many_sandboxes", "limit": exc.limit})
-    if isinstance(exc, SandboxPreFlightError):
-        return ToolCallError(str(exc), {"error": "preflight_failed", "command": exc.command})
-    if isinstance(exc, ConfigError):
-        return ToolCallError(str(exc), {"error": "invalid_arguments", "key": exc.key})
-    if isinstance(exc, DevsSandboxError):
-        return ToolCallError(str(exc), {"error": "sandbox_error", "type": type(exc).__name__})
-    logger.error("tool %s failed", tool, exc_info=exc)
-    return ToolCallError(
-        f"internal error in {tool}: {type(exc).__name__} (details in the server's log)",
-        {"error": "internal_error"},
-    )
 
 
-def _error_result(failure: ToolCallError) -> types.CallToolResult:
-    return types.CallToolResult(
-        content=[types.TextContent(type="text", text=failure.message)],
-        structured_content=failure.data,
-        is_error=True,
-    )
+def inline_refs(schema: dict[str, Any]) -> dict[str, Any]:
+    """pydantic puts nested models under ``$defs``; not every MCP client resolves ``$ref``,
+    so the tool schemas are written out in full (ours have no recursion)."""
+    defs: dict[str, Any] = schema.pop("$defs", {})
 
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                rest = {k: v for k, v in node.items() if k != "$ref"}
+                return {**walk(defs[ref.removeprefix("#/$defs/")]), **walk(rest)}
+            return {k: walk(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        return node
 
-def _ok_result(output: BaseModel) -> types.CallToolResult:
-    data = output.model_dump(mode="json")
-    return types.CallToolResult(
-        content=[types.TextContent(type="text", text=json.dumps(data))],
-        structured_content=data,
-    )
+    result: dict[str, Any] = walk(schema)
+    return result

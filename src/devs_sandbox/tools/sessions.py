@@ -42,16 +42,20 @@ from devs_sandbox.errors import (
     DevsSandboxError,
     ExecTimeoutError,
     QuotaExceededError,
+    ResourceLimitExceededError,
     SandboxNotFoundError,
     SessionLimitError,
 )
 from devs_sandbox.lifecycle import Sandbox, SandboxLifecycleManager
-from devs_sandbox.models import ExecResult
+from devs_sandbox.models import ExecResult, SandboxOutcome
 from devs_sandbox.scheduler import ThreadScheduler
-from devs_sandbox.tools.shell import MonitoredShellOptions, monitored_exec
+from devs_sandbox.tools.shell import MonitoredShellOptions, OutputTap, monitored_exec
 
 logger = logging.getLogger(__name__)
 
+SIGNAL_STATUS: Final = 128  # a shell's status above this: a child was killed by a signal
+ALIVE_PROBE: Final = ("/bin/sh", "-c", "true")  # after a monitor kill: is the sandbox still up?
+ALIVE_PROBE_TIMEOUT_S: Final = 10.0  # one docker exec on a loaded host
 SWEEP_INTERVAL_S: Final = 1.0  # an expired session outlives its timeout by at most this long
 ENDED_MEMORY: Final = 1024  # ended session ids (and ended owners) remembered, with why
 OWNED_MEMORY: Final = 10_000  # sandbox ids remembered per live owner, for its audit rows
@@ -269,39 +273,99 @@ class SandboxSessions:
         owner: str = DEFAULT_OWNER,
         stats: ProcessStatsSource | None = None,
         scheduler: Scheduler | None = None,
+        tap: OutputTap | None = None,
     ) -> ExecResult:
         """Run ``command`` in the workspace of ``owner``'s session under the RSS/CPU monitor.
 
         Raises ``ResourceLimitExceededError`` (the command was killed; the session and its
-        files remain), ``ExecTimeoutError`` (``timeout_s`` ran out; the session remains),
-        ``QuotaExceededError`` (a sandbox quota was broken: the session is destroyed) or
-        ``SandboxNotFoundError`` (gone, another owner's, or reached its lifetime during the
-        call).
+        files remain, unless the kill stopped the sandbox itself: then the session is over
+        and ``ended_why`` says so), ``ExecTimeoutError`` (``timeout_s`` ran out; the session
+        remains), ``QuotaExceededError`` (a sandbox quota was broken, by this command: the
+        session is destroyed) or ``SandboxNotFoundError`` (gone, another owner's, reached
+        its lifetime during the call, or lost underneath: the session is then over).
         """
         with self.use(sandbox_id, owner=owner) as sandbox:
             self._check_alive(sandbox, owner)
             budget = min(timeout_s, self.remaining_s(sandbox_id, owner=owner))
-            result = monitored_exec(
-                sandbox, command, opts, timeout_s=budget, stats=stats, scheduler=scheduler
-            )
-            self._check_alive(sandbox, owner)
+            try:
+                result = monitored_exec(
+                    sandbox,
+                    command,
+                    opts,
+                    timeout_s=budget,
+                    stats=stats,
+                    scheduler=scheduler,
+                    tap=tap,
+                )
+            except ResourceLimitExceededError as exc:
+                self._after_monitor_kill(sandbox, exc)
+                raise
+            except SandboxNotFoundError as exc:
+                self._lost(sandbox)
+                raise self._missing(sandbox_id, owner) from exc
+            if result.exit_code > SIGNAL_STATUS or result.signal is not None:
+                # Killed: by the kernel for a quota (an OOM kill) between two polls? Then
+                # this call is the one that broke it, and says so.
+                sandbox.settle(result)
+            self._check_alive(sandbox, owner, result)
         if result.timed_out:
             raise ExecTimeoutError(budget, result)
         return result
 
-    def _check_alive(self, sandbox: Sandbox, owner: str) -> None:
-        """A session its quota or lifetime terminated is over: destroy it and say why."""
+    def _check_alive(self, sandbox: Sandbox, owner: str, result: ExecResult | None = None) -> None:
+        """A session its quota or lifetime terminated is over: destroy it and say why
+        (with ``result``, the exec that broke the quota, in the error's outcome)."""
         if sandbox.destroyed:  # reaped or destroyed by another call meanwhile
             raise self._missing(sandbox.id, owner)
         violation = sandbox.violation
         if violation is not None:
             self.end(sandbox.id, f"terminated for {violation.type}")
-            raise QuotaExceededError(violation)
+            outcome = None
+            if result is not None:
+                outcome = SandboxOutcome(
+                    sandbox_id=sandbox.id,
+                    driver=sandbox.context.driver,
+                    isolation=sandbox.isolation,
+                    result=result,
+                    violation=violation,
+                )
+            raise QuotaExceededError(violation, outcome)
         if sandbox.timed_out:
             self.end(
                 sandbox.id, f"reached its {self.total_timeout_s:g} s lifetime (mcp.sessionTimeoutS)"
             )
             raise self._missing(sandbox.id, owner)
+
+    def _after_monitor_kill(self, sandbox: Sandbox, exc: ResourceLimitExceededError) -> None:
+        """The monitor killed the command; on a driver whose kill stops the sandbox itself
+        (a container whose init was killed) the session is over: end it, saying why."""
+        try:
+            # Whatever its status: the driver could still run something there.
+            sandbox.exec(ALIVE_PROBE, timeout_s=ALIVE_PROBE_TIMEOUT_S)
+            alive = True
+        except DevsSandboxError:
+            alive = False
+        if not alive:
+            self.end(
+                sandbox.id,
+                f"stopped when its command was killed for {exc.reason} (the {sandbox.driver.name} "
+                "driver's kill reaches the whole sandbox)",
+            )
+
+    def _lost(self, sandbox: Sandbox) -> None:
+        """The driver no longer has a sandbox the session still holds (its container died):
+        end the session, so this call and every later one (sandbox_destroy too) say it is
+        gone and why."""
+        if not sandbox.destroyed:
+            self.end(sandbox.id, f"lost: the {sandbox.driver.name} driver no longer has it")
+
+    def ended_why(self, sandbox_id: str, owner: str = DEFAULT_OWNER) -> str:
+        """Why ``owner``'s session ``sandbox_id`` ended ("" if it did not, or not for it)."""
+        with self._lock:
+            if self._session_locked(sandbox_id, owner) is not None:
+                return ""
+            whose, why = self._ended.get(sandbox_id, ("", ""))
+        return why if whose == owner else ""
 
     def kill(self, sandbox_id: str, *, owner: str = DEFAULT_OWNER) -> None:
         """SIGKILL the session's processes (a cancelled call); the session and files remain."""

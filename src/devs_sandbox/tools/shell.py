@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Final
 
-from devs_sandbox.base import ProcessStatsSource, Scheduler
+from devs_sandbox.base import OutputCallback, ProcessStatsSource, Scheduler
 from devs_sandbox.config import (
     MAX_CALL_TIMEOUT_S,
     MAX_CPU_SUSTAINED_MS,
@@ -55,6 +55,7 @@ from devs_sandbox.monitors.usage import LimitBreach, ResourcePolicy
 
 __all__ = [
     "MonitoredShellOptions",
+    "OutputTap",
     "ShellResult",
     "monitored_exec",
     "run_shell_monitored",
@@ -146,6 +147,25 @@ class ShellResult:
         }
 
 
+@dataclass(frozen=True, slots=True)
+class OutputTap:
+    """How a caller sees a monitored command's output besides its result: the bytes kept
+    of each stream (``max_output_bytes``, head and tail; None: the sandbox's
+    ``maxOutputBytes``) and the redacted chunks as they come (the MCP server keeps its own
+    copy, to count progress and to return binary output as it was)."""
+
+    max_output_bytes: int | None = None
+    on_stdout: OutputCallback | None = None
+    on_stderr: OutputCallback | None = None
+
+    def exec_options(self) -> dict[str, Any]:
+        return {
+            "max_output_bytes": self.max_output_bytes,
+            "on_stdout": self.on_stdout,
+            "on_stderr": self.on_stderr,
+        }
+
+
 # -- running a command --------------------------------------------------------------------
 def _check_command(command: object) -> str:
     if not isinstance(command, str):
@@ -183,6 +203,7 @@ def monitored_exec(
     timeout_s: float | None = None,
     stats: ProcessStatsSource | None = None,
     scheduler: Scheduler | None = None,
+    tap: OutputTap | None = None,
 ) -> ExecResult:
     """Run ``command`` (``sh -c``) in a live sandbox under the monitor; the sandbox survives.
 
@@ -200,7 +221,8 @@ def monitored_exec(
         scheduler=scheduler if scheduler is not None else monitor_scheduler(),
     )
     try:
-        result = sandbox.exec(command, timeout_s=timeout_s, on_start=monitor.start)
+        extra = tap.exec_options() if tap is not None else {}
+        result = sandbox.exec(command, timeout_s=timeout_s, on_start=monitor.start, **extra)
     finally:
         monitor.stop()
     if monitor.breach is not None:
@@ -250,9 +272,10 @@ def _run(
     cfg: SandboxLifecycleConfig,
     stats: ProcessStatsSource | None,
     scheduler: Scheduler | None,
+    tap: OutputTap | None = None,
 ) -> ShellResult:
     def task(sandbox: Sandbox) -> ExecResult:
-        return monitored_exec(sandbox, command, opts, stats=stats, scheduler=scheduler)
+        return monitored_exec(sandbox, command, opts, stats=stats, scheduler=scheduler, tap=tap)
 
     # run_in_sandbox owns the sandbox: preflight, total timeout, quota verdict, destroy.
     outcome = manager.run_in_sandbox(task, cfg)
@@ -280,6 +303,7 @@ def run_shell_monitored_sync(
     config: SandboxLifecycleConfig | None = None,
     stats: ProcessStatsSource | None = None,
     scheduler: Scheduler | None = None,
+    tap: OutputTap | None = None,
 ) -> ShellResult:
     """Run ``command`` with ``/bin/sh -c`` in a fresh sandbox under the RSS/CPU monitor.
 
@@ -297,7 +321,9 @@ def run_shell_monitored_sync(
     opts = opts if opts is not None else MonitoredShellOptions()
     with _manager(manager) as mgr:
         cfg = _call_config(config if config is not None else mgr.config.sandbox, opts)
-        return _run(command, opts=opts, manager=mgr, cfg=cfg, stats=stats, scheduler=scheduler)
+        return _run(
+            command, opts=opts, manager=mgr, cfg=cfg, stats=stats, scheduler=scheduler, tap=tap
+        )
 
 
 async def run_shell_monitored(
@@ -308,6 +334,7 @@ async def run_shell_monitored(
     config: SandboxLifecycleConfig | None = None,
     stats: ProcessStatsSource | None = None,
     scheduler: Scheduler | None = None,
+    tap: OutputTap | None = None,
 ) -> ShellResult:
     """The asyncio form of ``run_shell_monitored_sync``: the run happens on a worker thread;
     cancelling this coroutine kills and destroys the sandbox before the cancellation
@@ -322,7 +349,9 @@ async def run_shell_monitored(
 
     def run() -> ShellResult:
         try:
-            return _run(command, opts=opts, manager=mgr, cfg=cfg, stats=stats, scheduler=scheduler)
+            return _run(
+                command, opts=opts, manager=mgr, cfg=cfg, stats=stats, scheduler=scheduler, tap=tap
+            )
         finally:
             if own:
                 mgr.shutdown()
