@@ -19,6 +19,12 @@ recorded, before anything deletes the pod.
 Invariant: ``destroy`` is idempotent and deletes the pod and its policy; whatever a crash
 leaves is owned by a Lease that stops being renewed, so the reaper and the garbage
 collector remove it (``leases.py``).
+
+Size (~800 lines, over the house's ~600): the class is the protocol's surface plus a pod's
+whole life (create, wait, probe, undo, exec, observe, stop), which all read and write the
+same ``Box`` under one lock; every part with a concern of its own already lives apart
+(manifest, client, transport, runner, shim, watcher, leases, pool). Splitting the life of
+a pod across files would scatter that one lock's invariants.
 """
 
 from __future__ import annotations
