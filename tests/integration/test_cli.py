@@ -323,3 +323,22 @@ def test_a_reader_that_goes_away_is_not_an_error() -> None:
     )
     assert "Error" not in proc.stderr and "internal error" not in proc.stderr, proc.stderr
     assert "s=141" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        (
+            ["--timeout", "100000"],
+            "devs-sandbox run: --timeout 100000: must be at most 86400 seconds",
+        ),
+        (["--memory", "1k"], "devs-sandbox run: --memory 1024: must be at least 4194304 bytes"),
+        (["--max-output", "1"], "devs-sandbox run: --max-output 1: must be at least 64 bytes"),
+    ],
+)
+def test_a_bound_is_said_in_the_options_terms(options: list[str], expected: str) -> None:
+    """The option the user typed and its unit, not the config key in milliseconds."""
+    proc = run_cli("run", *options, "--", "true")
+    assert proc.returncode == 125
+    assert proc.stderr.strip() == expected
+    assert "Ms" not in proc.stderr and "sandbox." not in proc.stderr

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, Final
 
 from devs_sandbox.cli.console import (
     EXIT_CANNOT_RUN,
@@ -29,6 +30,7 @@ from devs_sandbox.config import (
     override,
 )
 from devs_sandbox.errors import (
+    ConfigError,
     QuotaExceededError,
     SandboxCancelledError,
     SandboxLostError,
@@ -108,7 +110,53 @@ def run_config(
         changes["isolation"] = isolation
     if cluster_changes(args):
         changes["kubernetes"] = cluster_changes(args)
-    return override(file_cfg.sandbox, **changes)
+    try:
+        return override(file_cfg.sandbox, **changes)
+    except ConfigError as exc:
+        option = _option_error(args, exc)
+        if option is None:
+            raise
+        raise UsageError(option, EXIT_CANNOT_RUN) from None
+
+
+# The run options that set a bounded config key: (option, attribute, unit, config units per
+# option unit). A bound the config refuses is said in the option's terms, not the key's.
+_OPTION_OF_KEY: Final = {
+    "sandbox.timeoutMs": ("--timeout", "timeout", "seconds", 1000),
+    "sandbox.idleTimeoutMs": ("--idle-timeout", "idle_timeout", "seconds", 1000),
+    "sandbox.maxOutputBytes": ("--max-output", "max_output", "bytes", 1),
+    "sandbox.quotas.memoryBytes": ("--memory", "memory", "bytes", 1),
+    "sandbox.quotas.diskBytes": ("--disk", "disk", "bytes", 1),
+    "sandbox.quotas.processCountLimit": ("--max-processes", "max_processes", "", 1),
+    "sandbox.quotas.fileCountLimit": ("--max-files", "max_files", "", 1),
+    "sandbox.quotas.directoryDepthLimit": ("--max-depth", "max_depth", "", 1),
+    "sandbox.quotas.maxFileSizeBytes": ("--max-file-size", "max_file_size", "bytes", 1),
+    "sandbox.quotas.pollIntervalMs": ("--poll-interval", "poll_interval", "milliseconds", 1),
+    "sandbox.quotas.cpuCores": ("--cpus", "cpus", "cores", 1),
+}
+_BOUND: Final = re.compile(r"(less|greater) than or equal to (-?[0-9.e+]+)")
+
+
+def _option_error(args: argparse.Namespace, exc: ConfigError) -> str | None:
+    """``--timeout 100000: at most 86400 seconds`` for a bound the config refused on a key
+    that an option of this run set; None when the key was not set by an option."""
+    known = _OPTION_OF_KEY.get(exc.key or "")
+    if known is None:
+        return None
+    option, attr, unit, per = known
+    given = getattr(args, attr, None)
+    if given is None:
+        return None
+    bound = _BOUND.search(str(exc))
+    if bound is None:
+        why = str(exc).split(": ", 1)[-1]
+    else:
+        limit = float(bound.group(2)) / per
+        word = "at most" if bound.group(1) == "less" else "at least"
+        amount = str(int(limit)) if limit.is_integer() else f"{limit:g}"
+        why = f"must be {word} {amount}{' ' + unit if unit else ''}"
+    shown = f"{given:g}" if isinstance(given, float) else str(given)
+    return f"{PROG} run: {option} {shown}: {why}"
 
 
 def db_path(args: argparse.Namespace, file_cfg: DevsConfig, con: Console) -> Path:
