@@ -31,6 +31,7 @@ are translated where they enter, with ``raise ... from exc``.
     +-- ExecTimeoutError (TimeoutError)          one exec ran past its own timeout
     +-- ResourceLimitExceededError               run_shell_monitored killed a command; .result
     +-- SecretError                              a secret could not be read or injected
+    +-- SandboxFileError                         a file could not be read, written or copied out
     +-- StoreError                               the violation store failed
     +-- SandboxRunError                          a run ended abnormally; carries .outcome
         +-- SandboxPreFlightError                a preflight command failed; the task did not run
@@ -221,6 +222,12 @@ class ResourceLimitExceededError(DevsSandboxError):
 
 class SecretError(DevsSandboxError):
     """A secret named on the command line or in config could not be read or delivered."""
+
+
+class SandboxFileError(DevsSandboxError):
+    """A file of a sandbox's workspace could not be read, written, listed or copied out: a
+    path outside the workspace (``..``, absolute, a symlink out), a missing file, one over
+    the size limit."""
 
 
 class StoreError(DevsSandboxError):

@@ -342,3 +342,26 @@ def test_a_bound_is_said_in_the_options_terms(options: list[str], expected: str)
     assert proc.returncode == 125
     assert proc.stderr.strip() == expected
     assert "Ms" not in proc.stderr and "sandbox." not in proc.stderr
+
+
+def test_copy_out_brings_results_home_and_nothing_else(tmp_path: Path) -> None:
+    dest = tmp_path / "results"
+    script = "mkdir -p out/sub && echo 42 > out/sub/answer && printf x > single && echo ran"
+    ok = run_cli(
+        "run", "--copy-out", f"out:{dest}", "--copy-out", f"single:{dest}", "--", "sh", "-c", script
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout == "ran\n"
+    assert (dest / "out" / "sub" / "answer").read_text() == "42\n"
+    assert (dest / "single").read_text() == "x"
+    bad = tmp_path / "bad"
+    escape = run_cli(
+        "run", "--copy-out", f"out:{bad}", "--", "sh", "-c", "mkdir out; ln -s /etc/shadow out/s"
+    )
+    assert escape.returncode == 125
+    assert escape.stderr.strip().endswith("a link to an absolute path")
+    assert not (bad / "out").exists()
+    outside = run_cli("run", "--copy-out", f"../etc:{bad}", "--", "true")
+    assert outside.returncode == 125 and "inside the workspace" in outside.stderr
+    malformed = run_cli("run", "--copy-out", "nocolon", "--", "true")
+    assert malformed.returncode == 125 and "SRC:DEST" in malformed.stderr

@@ -170,6 +170,15 @@ def build_parser() -> _Parser:
     )
     run.add_argument("--copy-in", type=Path, metavar="DIR", help="seed the workspace from DIR")
     run.add_argument(
+        "--copy-out",
+        type=_copy_out,
+        action="append",
+        default=[],
+        metavar="SRC:DEST",
+        help="after the command, copy SRC (a file or directory of the workspace) into the "
+        "host directory DEST; no path or symlink out of either, at most 64 MiB (repeatable)",
+    )
+    run.add_argument(
         "--stdin",
         metavar="FILE",
         help="feed FILE ('-' for this command's stdin) to COMMAND; default /dev/null",
@@ -304,6 +313,13 @@ def _add_mcp_parser(sub: Any) -> None:
     )
     mcp.add_argument("--config", type=Path, metavar="PATH")
     mcp.add_argument("--db", type=Path, metavar="PATH", help="violation store (SQLite)")
+
+
+def _copy_out(text: str) -> tuple[str, str]:
+    src, sep, dest = text.partition(":")
+    if not sep or not src or not dest:
+        raise argparse.ArgumentTypeError(f"expected SRC:DEST, got {text!r}")
+    return src, dest
 
 
 def _port(text: str) -> int:

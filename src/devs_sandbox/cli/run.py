@@ -39,10 +39,10 @@ from devs_sandbox.errors import (
     SecretError,
 )
 from devs_sandbox.events import SandboxEvents
-from devs_sandbox.models import SandboxOutcome
+from devs_sandbox.models import ExecResult, SandboxOutcome
 
 if TYPE_CHECKING:
-    from devs_sandbox.lifecycle import SandboxLifecycleManager
+    from devs_sandbox.lifecycle import Sandbox, SandboxLifecycleManager
 
 
 def load_file_config(args: argparse.Namespace, con: Console) -> DevsConfig:
@@ -290,7 +290,13 @@ def cmd_run(args: argparse.Namespace, con: Console) -> int:
     if con.in_process:
         sys.stdout = sys.stderr
     try:
-        outcome = manager.run_in_sandbox(command, cfg, stdin=stdin_data, secrets=secrets, **streams)
+        task: Any = command
+        if args.copy_out:
+            cfg = manager.config_for(cfg, command)
+            task = _with_copy_out(
+                command, cfg, args.copy_out, stdin=stdin_data, streams=streams, con=con
+            )
+        outcome = manager.run_in_sandbox(task, cfg, stdin=stdin_data, secrets=secrets, **streams)
         status = outcome.exit_code
     except SandboxTimeoutError as exc:
         outcome, status, error_line = exc.outcome, EXIT_TIMEOUT, str(exc)
@@ -326,6 +332,27 @@ def cmd_run(args: argparse.Namespace, con: Console) -> int:
     if error_line:
         print(f"{PROG}: {error_line}", file=con.err)
     return status
+
+
+def _with_copy_out(
+    command: list[str],
+    cfg: SandboxLifecycleConfig,
+    pairs: list[tuple[str, str]],
+    *,
+    stdin: bytes | None,
+    streams: dict[str, Any],
+    con: Console,
+) -> Any:
+    """The run's task: the command, then (if it ran to its own end) each ``--copy-out``."""
+
+    def task(sandbox: Sandbox) -> ExecResult:
+        result = sandbox.exec(command, idle_timeout_s=cfg.idle_timeout_s, stdin=stdin, **streams)
+        if not (result.timed_out or result.idle_timed_out or sandbox.violation):
+            for src, dest in pairs:
+                sandbox.copy_out(src, con.path(dest))
+        return result
+
+    return task
 
 
 def _note_queued(event: dict[str, Any], err: IO[str]) -> None:

@@ -24,6 +24,7 @@ from devs_sandbox.errors import (
     SandboxTimeoutError,
 )
 from devs_sandbox.events import SandboxEvents
+from devs_sandbox.lifecycle import files
 from devs_sandbox.models import ExecResult, SandboxContext, Violation, ViolationType
 
 if TYPE_CHECKING:
@@ -118,6 +119,27 @@ class Sandbox:
             if violation.type == ViolationType.DISK_QUOTA_EXCEEDED:
                 raise DiskQuotaExceededError(violation)
             raise QuotaExceededError(violation)
+
+    # -- files of the workspace (lifecycle/files.py: each runs inside the sandbox) ----------
+    def read_file(self, path: str, *, max_bytes: int = files.DEFAULT_MAX_READ_BYTES) -> bytes:
+        """The bytes of ``path`` (relative to the workspace); ``SandboxFileError`` for a
+        path out of the workspace, a missing or non-regular file, one over ``max_bytes``."""
+        return files.read_file(self, path, max_bytes=max_bytes)
+
+    def write_file(self, path: str, data: bytes | str, *, mode: int = 0o644) -> None:
+        """Create or replace ``path`` (parents made) with ``data``; never through a symlink."""
+        raw = data.encode() if isinstance(data, str) else bytes(data)
+        files.write_file(self, path, raw, mode=mode)
+
+    def list_files(self, path: str = ".") -> list[files.FileEntry]:
+        """The entries of the directory ``path``, sorted by name."""
+        return files.list_files(self, path)
+
+    def copy_out(
+        self, source: str, dest: Path, *, max_bytes: int = files.DEFAULT_MAX_COPY_OUT_BYTES
+    ) -> Path:
+        """Copy ``source`` (file or directory) into the host directory ``dest``."""
+        return files.copy_out(self, source, dest, max_bytes=max_bytes)
 
     def kill(self) -> None:
         """SIGKILL every process of the sandbox (what the timeout enforcer calls)."""

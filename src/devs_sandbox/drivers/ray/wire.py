@@ -21,7 +21,6 @@ Nothing here imports Ray: the unit tests exercise it without a cluster.
 from __future__ import annotations
 
 import io
-import os
 import tarfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ from devs_sandbox.errors import (
     SandboxNotFoundError,
     UnsupportedRuntimeError,
 )
+from devs_sandbox.workspace import unpack_tar
 
 HOST_ACTOR_PREFIX: Final = "devs-sandbox-host"
 STDOUT: Final = 1
@@ -188,40 +188,6 @@ def pack_directory(source: Path, limit_bytes: int) -> bytes:
 
 
 def unpack_directory(data: bytes, target: Path) -> None:
-    """Extract what ``pack_directory`` made into ``target``, with tarfile's ``data`` filter:
-    no absolute paths, no ``..``, no links out of ``target``, no devices, no setuid bits."""
-    target.mkdir(mode=0o700, parents=True, exist_ok=True)
-    with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
-        if hasattr(tarfile, "data_filter"):
-            tar.extractall(target, filter="data")
-        else:  # Python before 3.11.4 (Debian bookworm's 3.11.2): the same rules, by hand
-            _extract_data_only(tar, target)
-
-
-def _extract_data_only(tar: tarfile.TarFile, target: Path) -> None:
-    """``filter="data"`` where tarfile lacks it: regular files, directories and symlinks
-    only, each checked against the tree as extracted so far (a link made by an earlier
-    member counts), nothing outside ``target``, no setuid/setgid/sticky or world-write
-    bits. Raises ``tarfile.TarError``."""
-    root = os.path.realpath(target)
-    # Owners are not the archive's to set (the data filter ignores them too).
-    tar.chown = lambda *_args, **_kwargs: None  # type: ignore[method-assign]
-
-    def inside(path: str) -> bool:
-        return os.path.commonpath([root, os.path.realpath(path)]) == root
-
-    for member in tar.getmembers():
-        name = member.name
-        if Path(name).is_absolute() or ".." in Path(name).parts:
-            raise tarfile.TarError(f"{name!r}: a path out of the target")
-        dest = str(Path(root) / name)
-        if not inside(dest):
-            raise tarfile.TarError(f"{name!r}: would be written outside the target")
-        if member.issym():
-            link = str(Path(dest).parent / member.linkname)
-            if Path(member.linkname).is_absolute() or not inside(link):
-                raise tarfile.TarError(f"{name!r}: a link out of the target")
-        elif not (member.isfile() or member.isdir()):
-            raise tarfile.TarError(f"{name!r}: not a regular file, directory or symlink")
-        member.mode &= 0o755 if member.isdir() or member.mode & 0o100 else 0o644
-        tar.extract(member, root, set_attrs=not member.issym())
+    """Extract what ``pack_directory`` made into ``target`` (``workspace.unpack_tar``: no
+    absolute paths, no ``..``, no links out of ``target``, no devices, no setuid bits)."""
+    unpack_tar(data, target)
