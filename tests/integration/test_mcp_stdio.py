@@ -138,7 +138,10 @@ def test_tools_and_schemas(tmp_path: Path) -> None:
             "sandbox_create",
             "sandbox_destroy",
             "sandbox_exec",
+            "sandbox_list_files",
+            "sandbox_read_file",
             "sandbox_violations",
+            "sandbox_write_file",
         ]
         schema = tools["run_shell_monitored"].input_schema
         assert schema["required"] == ["command"]
@@ -475,4 +478,52 @@ def test_streamable_http(tmp_path: Path) -> None:
             proc.wait()
         if proc.stderr is not None:
             proc.stderr.close()
+    server.assert_nothing_left()
+
+
+def test_files_of_a_session_sandbox(tmp_path: Path) -> None:
+    """Write, run, read back (text and bytes), list; paths out of the workspace refused."""
+    server = Server(tmp_path)
+
+    async def scenario(client: Client) -> None:
+        sid = tool_answer(await server.call(client, "sandbox_create", {}))["sandbox_id"]
+        script = "#!/bin/sh\nprintf '\\377\\000' > bytes.bin; echo ran > out.txt\n"
+        w = await server.call(
+            client,
+            "sandbox_write_file",
+            {"sandbox_id": sid, "path": "bin/run.sh", "content": script, "executable": True},
+        )
+        assert tool_answer(w) == {
+            "sandbox_id": sid,
+            "path": "bin/run.sh",
+            "size_bytes": len(script),
+        }
+        r = await server.call(client, "sandbox_exec", {"sandbox_id": sid, "command": "bin/run.sh"})
+        assert tool_answer(r)["exit_code"] == 0
+        text = tool_answer(
+            await server.call(client, "sandbox_read_file", {"sandbox_id": sid, "path": "out.txt"})
+        )
+        assert (text["content"], text["encoding"]) == ("ran\n", "text")
+        raw = tool_answer(
+            await server.call(client, "sandbox_read_file", {"sandbox_id": sid, "path": "bytes.bin"})
+        )
+        assert raw["encoding"] == "base64" and raw["content"] == "/wA="  # never mangled
+        listing = tool_answer(await server.call(client, "sandbox_list_files", {"sandbox_id": sid}))
+        assert {e["name"] for e in listing["entries"]} == {"bin", "bytes.bin", "out.txt"}
+        await server.call(
+            client, "sandbox_exec", {"sandbox_id": sid, "command": "ln -s /etc/passwd pw"}
+        )
+        for path, expect in (
+            ("pw", "outside the workspace"),
+            ("../etc/passwd", "inside the workspace"),
+            ("/etc/passwd", "inside the workspace"),
+        ):
+            bad = await server.call(client, "sandbox_read_file", {"sandbox_id": sid, "path": path})
+            assert expect in error_text(bad), path
+        nobody = await server.call(
+            client, "sandbox_read_file", {"sandbox_id": "sb-nobody", "path": "out.txt"}
+        )
+        assert "sb-nobody" in error_text(nobody)
+
+    server.run(scenario)
     server.assert_nothing_left()

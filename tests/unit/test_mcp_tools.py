@@ -148,7 +148,13 @@ def test_tools_and_their_schemas(tmp_path: Path) -> None:
             "sandbox_exec",
             "sandbox_destroy",
             "sandbox_violations",
+            "sandbox_read_file",
+            "sandbox_write_file",
+            "sandbox_list_files",
         }
+        for name in ("sandbox_read_file", "sandbox_write_file", "sandbox_list_files"):
+            assert tools[name].input_schema["additionalProperties"] is False
+            assert tools[name].output_schema is not None  # small answers: structured
         shell = tools["run_shell_monitored"].input_schema
         assert shell["type"] == "object" and shell["required"] == ["command"]
         assert shell["additionalProperties"] is False

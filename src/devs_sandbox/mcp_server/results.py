@@ -20,6 +20,7 @@ from devs_sandbox.errors import (
     ExecTimeoutError,
     QuotaExceededError,
     ResourceLimitExceededError,
+    SandboxFileError,
     SandboxNotFoundError,
     SandboxPreFlightError,
     SandboxTimeoutError,
@@ -112,6 +113,8 @@ def failure_for(
         return ToolCallError(str(exc), {"error": "preflight_failed", "command": exc.command})
     if isinstance(exc, ConfigError):
         return ToolCallError(str(exc), {"error": "invalid_arguments", "key": exc.key})
+    if isinstance(exc, SandboxFileError):
+        return ToolCallError(str(exc), {"error": "file_error"})
     if isinstance(exc, DevsSandboxError):
         return ToolCallError(str(exc), {"error": "sandbox_error", "type": type(exc).__name__})
     logger.error("tool %s failed", tool, exc_info=exc)

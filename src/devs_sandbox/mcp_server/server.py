@@ -28,7 +28,7 @@ from devs_sandbox.base import ProcessStatsSource, Scheduler
 from devs_sandbox.config import DevsConfig, override
 from devs_sandbox.lifecycle import SandboxLifecycleManager
 from devs_sandbox.lifecycle.aio import run_blocking
-from devs_sandbox.mcp_server import run_tools, session_tools
+from devs_sandbox.mcp_server import file_tools, run_tools, session_tools
 from devs_sandbox.mcp_server.auth import SERVER_NAME
 from devs_sandbox.mcp_server.env import ToolEnv
 from devs_sandbox.mcp_server.progress import (
@@ -92,7 +92,9 @@ class DevsMcpServer:
             stats_factory=stats_factory,
             monitor_scheduler=monitor_scheduler,
         )
-        tools = run_tools.tools(self.env) + session_tools.tools(self.env)
+        tools = (
+            run_tools.tools(self.env) + session_tools.tools(self.env) + file_tools.tools(self.env)
+        )
         self.tools = {t.name: t for t in tools}
         self._listing = [t.listing() for t in tools]
 
