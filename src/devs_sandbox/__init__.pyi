@@ -76,6 +76,7 @@ from devs_sandbox.security.environment import EnvironmentSanitizer
 from devs_sandbox.security.session_keys import Redactor, SessionKeyManager, session_key_manager
 from devs_sandbox.store import ViolationStore
 from devs_sandbox.tools.sessions import SandboxSessions
+from devs_sandbox.tools.code import run_code
 from devs_sandbox.tools.shell import (
     MonitoredShellOptions,
     ShellResult,
@@ -159,6 +160,7 @@ __all__ = [
     "default_timeout_enforcer",
     "load_config",
     "override",
+    "run_code",
     "run_shell_monitored",
     "run_shell_monitored_sync",
     "session_key_manager",

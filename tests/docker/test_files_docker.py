@@ -30,3 +30,14 @@ def test_files_in_and_out_of_a_container(manager: SandboxLifecycleManager, tmp_p
         assert sb.exec(["rm", "in/host"]).exit_code == 0
         got = sb.copy_out("in", tmp_path / "out")
         assert (got / "data.bin").read_bytes() == data
+
+
+def test_run_code_answers_with_the_runtime_gate(manager: SandboxLifecycleManager) -> None:
+    """The default image declares python only: node code is refused before anything runs."""
+    from devs_sandbox.errors import UnsupportedRuntimeError
+    from devs_sandbox.tools.code import run_code
+
+    out = run_code("print(6 * 7)", "python", dconfig(), manager=manager)
+    assert out.exit_code == 0 and out.result.stdout.text == "42\n"
+    with pytest.raises(UnsupportedRuntimeError, match="node"):
+        run_code("console.log(1)", "node", dconfig(), manager=manager)

@@ -365,3 +365,24 @@ def test_copy_out_brings_results_home_and_nothing_else(tmp_path: Path) -> None:
     assert outside.returncode == 125 and "inside the workspace" in outside.stderr
     malformed = run_cli("run", "--copy-out", "nocolon", "--", "true")
     assert malformed.returncode == 125 and "SRC:DEST" in malformed.stderr
+
+
+def test_code_by_language_with_its_outputs(tmp_path: Path) -> None:
+    prog = tmp_path / "prog.py"
+    prog.write_text('print(sum(range(10)))\nopen("outputs/plot.svg", "w").write("<svg/>")\n')
+    dest = tmp_path / "got"
+    ok = run_cli(
+        "run", "--code", str(prog), "--language", "python", "--copy-out", f"outputs:{dest}"
+    )
+    assert (ok.returncode, ok.stdout) == (0, "45\n"), ok.stderr
+    assert (dest / "outputs" / "plot.svg").read_text() == "<svg/>"
+    script = tmp_path / "s.sh"
+    script.write_text("echo from bash; exit 3\n")
+    run = run_cli("run", "--code", str(script), "--language", "bash")
+    assert (run.returncode, run.stdout) == (3, "from bash\n")
+    alone = run_cli("run", "--code", str(script))
+    assert alone.returncode == 125 and "--language" in alone.stderr
+    both = run_cli("run", "--code", str(script), "--language", "bash", "--", "true")
+    assert both.returncode == 125 and "give no COMMAND" in both.stderr
+    missing = run_cli("run", "--code", str(tmp_path / "nope.py"), "--language", "python")
+    assert missing.returncode == 125 and "nope.py" in missing.stderr

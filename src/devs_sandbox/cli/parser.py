@@ -170,6 +170,17 @@ def build_parser() -> _Parser:
     )
     run.add_argument("--copy-in", type=Path, metavar="DIR", help="seed the workspace from DIR")
     run.add_argument(
+        "--code",
+        type=Path,
+        metavar="FILE",
+        help="run FILE as a program of --language instead of COMMAND",
+    )
+    run.add_argument(
+        "--language",
+        choices=["python", "node", "bash"],
+        help="the language of --code (python3, node, bash in the sandbox)",
+    )
+    run.add_argument(
         "--copy-out",
         type=_copy_out,
         action="append",

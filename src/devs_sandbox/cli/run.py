@@ -40,6 +40,7 @@ from devs_sandbox.errors import (
 )
 from devs_sandbox.events import SandboxEvents
 from devs_sandbox.models import ExecResult, SandboxOutcome
+from devs_sandbox.tools.code import code_task, spec_of
 
 if TYPE_CHECKING:
     from devs_sandbox.lifecycle import Sandbox, SandboxLifecycleManager
@@ -245,6 +246,10 @@ def cmd_run(args: argparse.Namespace, con: Console) -> int:
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
+    code: bytes | None = None
+    if args.code is not None or args.language is not None:
+        code = _read_code(args, command, con)
+        command = list(spec_of(args.language).argv)
     if not command:
         raise UsageError(
             f"{PROG} run: missing COMMAND (usage: {PROG} run [OPTIONS] -- COMMAND)", EXIT_CANNOT_RUN
@@ -291,7 +296,17 @@ def cmd_run(args: argparse.Namespace, con: Console) -> int:
         sys.stdout = sys.stderr
     try:
         task: Any = command
-        if args.copy_out:
+        if code is not None:
+            cfg = manager.config_for(cfg, command)
+            task = code_task(
+                code,
+                args.language,
+                after=_copy_outs(args.copy_out, con),
+                idle_timeout_s=cfg.idle_timeout_s,
+                stdin=stdin_data,
+                **streams,
+            )
+        elif args.copy_out:
             cfg = manager.config_for(cfg, command)
             task = _with_copy_out(
                 command, cfg, args.copy_out, stdin=stdin_data, streams=streams, con=con
@@ -332,6 +347,30 @@ def cmd_run(args: argparse.Namespace, con: Console) -> int:
     if error_line:
         print(f"{PROG}: {error_line}", file=con.err)
     return status
+
+
+def _read_code(args: argparse.Namespace, command: list[str], con: Console) -> bytes:
+    if args.code is None or args.language is None:
+        raise UsageError(f"{PROG} run: --code FILE and --language go together", EXIT_CANNOT_RUN)
+    if command:
+        raise UsageError(f"{PROG} run: --code runs FILE; give no COMMAND", EXIT_CANNOT_RUN)
+    try:
+        return con.path(args.code).read_bytes()
+    except OSError as exc:
+        raise UsageError(
+            f"{PROG} run: --code {args.code}: {exc.strerror}", EXIT_CANNOT_RUN
+        ) from None
+
+
+def _copy_outs(pairs: list[tuple[str, str]], con: Console) -> Any:
+    if not pairs:
+        return None
+
+    def after(sandbox: Sandbox, _result: ExecResult) -> None:
+        for src, dest in pairs:
+            sandbox.copy_out(src, con.path(dest))
+
+    return after
 
 
 def _with_copy_out(
