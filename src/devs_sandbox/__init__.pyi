@@ -75,8 +75,8 @@ from devs_sandbox.scheduler import FakeScheduler, ThreadScheduler
 from devs_sandbox.security.environment import EnvironmentSanitizer
 from devs_sandbox.security.session_keys import Redactor, SessionKeyManager, session_key_manager
 from devs_sandbox.store import ViolationStore
-from devs_sandbox.tools.sessions import SandboxSessions
 from devs_sandbox.tools.code import run_code
+from devs_sandbox.tools.sessions import SandboxSessions
 from devs_sandbox.tools.shell import (
     MonitoredShellOptions,
     ShellResult,
