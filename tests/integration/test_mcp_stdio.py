@@ -134,6 +134,7 @@ def test_tools_and_schemas(tmp_path: Path) -> None:
         assert client.server_info is not None and client.server_info.name == "devs-sandbox"
         tools = {t.name: t for t in (await client.list_tools()).tools}
         assert sorted(tools) == [
+            "run_code",
             "run_shell_monitored",
             "sandbox_create",
             "sandbox_destroy",
@@ -524,6 +525,22 @@ def test_files_of_a_session_sandbox(tmp_path: Path) -> None:
             client, "sandbox_read_file", {"sandbox_id": "sb-nobody", "path": "out.txt"}
         )
         assert "sb-nobody" in error_text(nobody)
+
+    server.run(scenario)
+    server.assert_nothing_left()
+
+
+def test_run_code_by_language(tmp_path: Path) -> None:
+    server = Server(tmp_path)
+
+    async def scenario(client: Client) -> None:
+        code = "import os\nprint(sum(range(10)), os.path.isdir('outputs'))\n"
+        r = await server.call(client, "run_code", {"language": "python", "code": code})
+        assert (tool_answer(r)["exit_code"], tool_answer(r)["stdout"]) == (0, "45 True\n")
+        r = await server.call(client, "run_code", {"language": "bash", "code": 'echo "$0"; exit 7'})
+        assert (tool_answer(r)["exit_code"], tool_answer(r)["stdout"]) == (7, "main.sh\n")
+        bad = await server.call(client, "run_code", {"language": "cobol", "code": "x"})
+        assert "language" in error_text(bad)
 
     server.run(scenario)
     server.assert_nothing_left()

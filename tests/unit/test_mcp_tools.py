@@ -143,6 +143,7 @@ def test_tools_and_their_schemas(tmp_path: Path) -> None:
     async def scenario(client: Client) -> None:
         tools = {t.name: t for t in (await client.list_tools()).tools}
         assert set(tools) == {
+            "run_code",
             "run_shell_monitored",
             "sandbox_create",
             "sandbox_exec",

@@ -5,11 +5,13 @@ REQ: 3_MCP-REQ-SEC-002: the command runs under the RSS/CPU monitor.
 
 from __future__ import annotations
 
+import base64
 import functools
-from typing import Any
+import shlex
+from typing import Any, Final
 
 from mcp import types
-from pydantic import create_model
+from pydantic import Field, create_model
 
 from devs_sandbox.config import override
 from devs_sandbox.mcp_server.env import ToolEnv
@@ -26,7 +28,10 @@ from devs_sandbox.mcp_server.schemas import (
     output_fields,
 )
 from devs_sandbox.models import new_sandbox_id
+from devs_sandbox.tools.code import LANGUAGES, OUTPUT_DIR, Language, spec_of
 from devs_sandbox.tools.shell import run_shell_monitored
+
+MAX_CODE_BYTES: Final = 256 * 1024  # a program an agent writes, not a dataset
 
 
 def tools(env: ToolEnv) -> list[ToolSpec]:
@@ -49,8 +54,44 @@ def tools(env: ToolEnv) -> list[ToolSpec]:
             functools.partial(run_shell, env),
             types.ToolAnnotations(destructive_hint=False, open_world_hint=False),
             structured=False,
-        )
+        ),
+        ToolSpec(
+            "run_code",
+            "Run a program in a fresh sandbox, destroyed afterwards: its code is written to "
+            f"main.py / main.js / main.sh in an empty workspace (with an {OUTPUT_DIR}/ "
+            "directory) and run with python3, node or bash. Refused before anything runs when "
+            "this server's driver lacks the language. Returns JSON as run_shell_monitored. "
+            + monitor_description(env.config),
+            create_model(
+                "RunCodeArgs",
+                __base__=Args,
+                language=(Language, Field(description=f"One of {', '.join(LANGUAGES)}.")),
+                code=(str, Field(min_length=1, max_length=MAX_CODE_BYTES)),
+                **monitor_fields(env.config),
+                **output_fields(env.config),
+            ),
+            ShellOutput,
+            functools.partial(run_code, env),
+            types.ToolAnnotations(destructive_hint=False, open_world_hint=False),
+            structured=False,
+        ),
     ]
+
+
+async def run_code(env: ToolEnv, args: Any, call: ToolCall) -> ShellOutput:
+    """``run_shell_monitored`` of the program: the runtime gate first, then the code (as
+    base64, shell-safe) written into the workspace and run under the same monitor."""
+    spec = spec_of(args.language)
+    try:
+        env.manager.config_for(env.sandbox_config, spec.argv)
+    except Exception as exc:
+        raise failure_for(exc, "run_code", {}) from exc
+    payload = base64.b64encode(args.code.encode()).decode("ascii")
+    command = (
+        f"mkdir -p {OUTPUT_DIR} && printf %s {payload} | base64 -d > {spec.file_name} && "
+        f"exec {shlex.join(spec.argv)}"
+    )
+    return await run_shell(env, args.model_copy(update={"command": command}), call)
 
 
 async def run_shell(env: ToolEnv, args: Any, call: ToolCall) -> ShellOutput:
