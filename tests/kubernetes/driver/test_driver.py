@@ -178,8 +178,10 @@ def test_an_oom_in_the_pod_status_is_memory_exceeded_recorded_before_the_pod_goe
         assert emulated.emulator.expire_watches() >= 1  # ERROR 410 on the open watch
         wait_for(lambda: watcher.lists > lists, "the watcher to list again after 410")
     _oom_status(core, pod, emulated.namespace)
-    wait_for(lambda: not driver.is_running(sandbox.context), "the watch to see the pod end")
-    assert ooms and ooms[0]["reason"] == "OOMKilled" and ooms[0]["sandbox_id"] == sandbox.id
+    # The watch's event, not a status poll that may see the pod end first on a busy host.
+    wait_for(lambda: bool(ooms), "the watch to report the OOM kill")
+    wait_for(lambda: not driver.is_running(sandbox.context), "the pod to end")
+    assert ooms[0]["reason"] == "OOMKilled" and ooms[0]["sandbox_id"] == sandbox.id
     verdict = mgr.detector.poll_once(sandbox.id)
     assert verdict is not None and verdict.violation == ViolationType.MEMORY_EXCEEDED
     rows = mgr.store.list(sandbox_id=sandbox.id)
