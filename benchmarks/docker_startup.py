@@ -70,7 +70,7 @@ def main() -> int:
     warm: list[float] = []
     for _ in range(args.warm_runs):
         end = time.monotonic() + POOL_WAIT_S
-        while not driver._pool.ids() and time.monotonic() < end:
+        while not driver.pool.ids() and time.monotonic() < end:
             time.sleep(0.01)  # untimed: the pool refills between runs
         start = time.perf_counter()
         manager.run_in_sandbox(["true"], warm_cfg)

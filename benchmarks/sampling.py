@@ -25,7 +25,7 @@ import time
 
 import psutil
 
-from devs_sandbox.monitor.shell import PsutilProcessStats
+from devs_sandbox.lifecycle.sampling import PsutilProcessStats
 
 from _common import summarize, time_interleaved, write_report
 

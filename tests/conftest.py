@@ -23,6 +23,15 @@ _SESSION_DIR = Path(tempfile.mkdtemp(prefix="devs-test-session."))
 # Every CLI subprocess and every default manager of the test run writes here.
 os.environ["DEVS_SANDBOX_DB"] = str(_SESSION_DIR / "violations.db")
 os.environ.setdefault("XDG_DATA_HOME", str(_SESSION_DIR / "xdg"))
+# Hermetic configuration: neither this machine's nor its user's devs-sandbox config applies.
+os.environ["XDG_CONFIG_HOME"] = str(_SESSION_DIR / "xdg-config")
+os.environ["DEVS_SANDBOX_SYSTEM_CONFIG"] = str(_SESSION_DIR / "no-system-config.json")
+os.environ.pop("DEVS_SANDBOX_CONFIG", None)
+# CLI tests run the command in its own process; the local server's path is tested on its
+# own (tests/integration/test_cli_server.py), which also stops the servers it starts.
+os.environ["DEVS_SANDBOX_DAEMON"] = "0"
+# The host probes' verdicts: probed afresh once per test run, shared by its subprocesses.
+os.environ["DEVS_SANDBOX_PROBE_CACHE"] = str(_SESSION_DIR / "probe-cache")
 
 REQUIRE_ALL = os.environ.get("DEVS_SANDBOX_REQUIRE_ALL") == "1"
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,6 +53,7 @@ def _capabilities() -> dict[str, str]:
     caps["tmpfs"] = _tmpfs_reason()
     caps["docker"] = _docker_reason()
     caps["ray"] = _ray_reason()
+    caps["node"] = _node_reason()
     caps["cgroup_v2"] = (
         ""
         if host.cgroup.version == 2
@@ -93,9 +103,20 @@ def _ray_reason() -> str:
     return ""
 
 
+def _node_reason() -> str:
+    """The official TypeScript MCP clients: Node.js and tests/mcp_clients' pinned packages."""
+    import shutil
+
+    if shutil.which("node") is None:
+        return "Node.js not installed (apt-get install nodejs npm)"
+    if not (ROOT / "tests" / "mcp_clients" / "node_modules" / "@modelcontextprotocol").is_dir():
+        return "the MCP clients are not installed: npm ci --prefix tests/mcp_clients"
+    return ""
+
+
 _CAPS: dict[str, str] = {}
 # Markers whose absence on a REQUIRE_ALL host is a CI failure, not a skip.
-_REQUIRED_ON_CI = {"root", "cgroups", "bwrap", "unshare", "tmpfs", "docker", "ray"}
+_REQUIRED_ON_CI = {"root", "cgroups", "bwrap", "unshare", "tmpfs", "docker", "ray", "node"}
 
 
 def caps() -> dict[str, str]:
@@ -105,7 +126,17 @@ def caps() -> dict[str, str]:
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    for name in ("root", "cgroups", "bwrap", "unshare", "tmpfs", "docker", "cgroup_v2", "ray"):
+    for name in (
+        "root",
+        "cgroups",
+        "bwrap",
+        "unshare",
+        "tmpfs",
+        "docker",
+        "cgroup_v2",
+        "ray",
+        "node",
+    ):
         if item.get_closest_marker(name) is None:
             continue
         reason = caps().get(name, "")
@@ -142,7 +173,7 @@ def _docker_leftovers() -> set[str]:
     session (found by their owner labels, so a lost lease file hides nothing)."""
     try:
         import docker
-        from devs_sandbox.drivers.docker import _owner_from_labels
+        from devs_sandbox.drivers.docker import owner_from_labels
 
         client = docker.from_env(timeout=10)
         try:
@@ -154,7 +185,7 @@ def _docker_leftovers() -> set[str]:
     out: set[str] = set()
     for c in found:
         labels = c.get("Labels") or {}
-        owner = _owner_from_labels(labels)
+        owner = owner_from_labels(labels)
         if owner.alive() and owner.pid not in _ours():
             continue
         name = (c.get("Names") or ["?"])[0].lstrip("/")

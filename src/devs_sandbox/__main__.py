@@ -1,5 +1,5 @@
 """``python -m devs_sandbox`` is the ``devs-sandbox`` command."""
 
-from devs_sandbox.cli import main
+from devs_sandbox.cli.fast import main
 
 raise SystemExit(main())

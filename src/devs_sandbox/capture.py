@@ -50,6 +50,10 @@ class HeadTailCapture:
     def dropped_bytes(self) -> int:
         return self.total_bytes - len(self._head) - len(self._tail)
 
+    def kept(self) -> tuple[bytes, bytes]:
+        """The kept head and tail as bytes (for a caller that returns them undecoded)."""
+        return bytes(self._head), bytes(self._tail)
+
     def result(self, transform: Callable[[str], str] | None = None) -> CapturedStream:
         """Decode (UTF-8, invalid bytes replaced) and mark the gap if anything was dropped."""
         dropped = self.dropped_bytes

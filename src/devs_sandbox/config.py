@@ -8,12 +8,19 @@ where a number belongs, or an unknown key raises ``ConfigError`` naming the key.
 ``SandboxLifecycleConfig`` is both the ``sandbox`` section of the file and the
 per-run configuration passed to ``run_in_sandbox``: the CLI and the MCP server
 derive a run's config from the file's with :func:`override`, which re-validates.
+
+Size (~680 lines, over the house's ~600): it is the schema itself, one model per section
+with a docstring per field (the schema's descriptions are read from them); splitting the
+sections over files would only make the schema harder to read whole.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Final, Literal
 
@@ -75,7 +82,13 @@ STRICT_MECHANISMS: tuple[Mechanism, ...] = (
 )
 DEFAULT_CPU_CORES = 1.0
 
-DriverName = Literal["process", "docker", "fake", "ray"]
+DriverName = Literal["process", "docker", "kubernetes", "ray", "fake"]
+
+
+def ms_from_s(seconds: float) -> int:
+    """Seconds (the Python API's unit) as the config's whole milliseconds: rounded up, so a
+    budget is never shortened, and at least 1."""
+    return max(1, math.ceil(seconds * 1000))
 
 
 class _Model(BaseModel):
@@ -84,7 +97,6 @@ class _Model(BaseModel):
         extra="forbid",
         alias_generator=to_camel,
         populate_by_name=True,
-        use_attribute_docstrings=True,
         validate_default=True,
     )
 
@@ -140,6 +152,14 @@ class QuotaConfig(_Model):
 
     depth_scan_budget_ms: Annotated[StrictInt, Field(ge=1, le=60_000)] = 200
     """Most time one tick may spend walking the workspace for depth and file sizes."""
+
+    @property
+    def poll_interval_s(self) -> float:
+        return self.poll_interval_ms / 1000
+
+    @property
+    def depth_scan_budget_s(self) -> float:
+        return self.depth_scan_budget_ms / 1000
 
 
 class IsolationConfig(_Model):
@@ -236,6 +256,93 @@ class DockerConfig(_Model):
     workspace it lives in RAM and is charged to the memory cap."""
 
 
+_DNS1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+
+
+class KubernetesConfig(_Model):
+    """The kubernetes driver: which cluster and namespace, what runs the pods, the warm pool.
+    (Several of these choose the isolation itself: runtimeClassName, hostUsers, the
+    namespace, the image, verifyNetworkIsolation; see docs/deploy/kubernetes.md.)"""
+
+    kubeconfig: Path | None = None
+    """Kubeconfig file; null = $KUBECONFIG, else ~/.kube/config, else the pod's service
+    account when devs-sandbox itself runs in a cluster."""
+
+    context: str | None = None
+    """Kubeconfig context; null = its current-context."""
+
+    namespace: str | None = None
+    """Namespace of every pod, NetworkPolicy and Lease the driver makes; null = the
+    context's namespace, else (in a cluster) the pod's own, else "default"."""
+
+    image: str = "python:3.12-slim"
+    """Image of the sandbox pods when sandbox.image is null. It needs /bin/sh, and python3
+    for the per-exec supervisor (without it, an exec timeout kills every task process of
+    the sandbox, not only that exec's)."""
+
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    """The pods' imagePullPolicy."""
+
+    runtime_class_name: str | None = None
+    """RuntimeClass of the pods ("gvisor", "kata", ...): a kernel of their own under each
+    sandbox; null = the cluster's default runtime (runc, the node's kernel)."""
+
+    host_users: StrictBool = True
+    """false: a user namespace per pod (hostUsers: false; Kubernetes 1.30+ and a runtime
+    that supports it): uids in the pod map to an unprivileged range of its own on the node."""
+
+    app_armor: StrictBool = False
+    """Name the runtime's default AppArmor profile in the pod (appArmorProfile on 1.30+,
+    the annotation before): the kubelet then refuses to run it on a node without AppArmor
+    rather than run it without. (Nodes with AppArmor apply that profile either way.)"""
+
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    """Labels a node must carry to run the sandboxes (e.g. the nodes with gVisor)."""
+
+    warm_pool_size: Annotated[StrictInt, Field(ge=0, le=64)] = 0
+    """Pods created, started and checked ahead of time per configuration, claimed with one
+    conflict-checked patch and refilled in the background; 0 disables. Runs with a fixed
+    sandboxId or copyIn never take a pooled pod."""
+
+    tmp_bytes: Annotated[StrictInt, Field(ge=1 * MiB, le=64 * GiB)] = 64 * MiB
+    """Size of the pod's /tmp and /dev/shm (Memory emptyDirs, charged to the memory cap)."""
+
+    start_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 120.0
+    """Most seconds from create until the pod runs (scheduling, image pull). A pod that
+    cannot be scheduled or pulled is reported earlier, with the cluster's reason."""
+
+    api_timeout_s: Annotated[float, Field(gt=0, le=600)] = 30.0
+    """Most seconds one API request (and an exec's WebSocket handshake) may take."""
+
+    deadline_margin_s: Annotated[StrictInt, Field(ge=1, le=86_400)] = 60
+    """The pod's activeDeadlineSeconds is sandbox.timeoutMs plus this: the kubelet's
+    backstop behind our own total timeout, should this process die."""
+
+    lease_duration_s: Annotated[StrictInt, Field(ge=2, le=3600)] = 30
+    """Validity of this process's owner Lease, renewed every third of it. A lease left
+    unrenewed twice this long (once more for clock skew) is expired: the reaper deletes it,
+    its pods and policies."""
+
+    verify_network_isolation: StrictBool = True
+    """Before a pod without network is used, check from inside it that the deny-all
+    NetworkPolicy holds (only loopback, or the API server unreachable); refuse otherwise.
+    false trusts the policy: a CNI that ignores NetworkPolicy leaves the network open."""
+
+    @field_validator("namespace")
+    @classmethod
+    def _valid_namespace(cls, v: str | None) -> str | None:
+        if v is not None and not _DNS1123_LABEL.fullmatch(v):
+            raise ValueError(f"invalid namespace {v!r}: a lowercase RFC 1123 label")
+        return v
+
+    @field_validator("image")
+    @classmethod
+    def _valid_image(cls, v: str) -> str:
+        if not v.strip() or any(c.isspace() for c in v):
+            raise ValueError(f"invalid image reference {v!r}")
+        return v
+
+
 # A Ray custom resource name, as `ray start --resources` takes it.
 RAY_RESOURCE_PATTERN: Final = r"^[A-Za-z_][A-Za-z0-9_.-]{0,127}$"
 
@@ -273,8 +380,8 @@ class SandboxLifecycleConfig(_Model):
     """One sandbox run: driver, timeouts, quotas, isolation. Also the file's ``sandbox``."""
 
     driver: DriverName = "process"
-    """Backend that runs the sandbox: "process" (this host), "docker", or "ray" (a node of
-    a Ray cluster, confined there by sandbox.ray.nodeDriver)."""
+    """Backend that runs the sandbox: "process" (this host), "docker", "kubernetes" (a pod
+    of a cluster), or "ray" (a node of a Ray cluster, confined there by sandbox.ray.nodeDriver)."""
 
     sandbox_id: str | None = None
     """Fixed id for the sandbox (letters, digits, '.', '_', '-'; at most 64); null = random."""
@@ -304,7 +411,8 @@ class SandboxLifecycleConfig(_Model):
     """Directory whose contents seed the workspace."""
 
     image: str | None = None
-    """Container image for the docker driver; null = docker.defaultImage."""
+    """Container image for the docker and kubernetes drivers; null = docker.defaultImage,
+    kubernetes.image."""
 
     fallback_driver: Literal["docker"] | None = None
     """When a command needs a runtime (python, node, go, rust) that the configured driver
@@ -312,6 +420,9 @@ class SandboxLifecycleConfig(_Model):
 
     docker: DockerConfig = Field(default_factory=DockerConfig)
     """Docker driver settings."""
+
+    kubernetes: KubernetesConfig = Field(default_factory=KubernetesConfig)
+    """Kubernetes driver settings."""
 
     ray: RayConfig = Field(default_factory=RayConfig)
     """Ray driver settings."""
@@ -321,6 +432,19 @@ class SandboxLifecycleConfig(_Model):
 
     isolation: IsolationConfig = Field(default_factory=IsolationConfig)
     """Host isolation mechanisms."""
+
+    # The Python API speaks seconds; the file speaks the specification's milliseconds.
+    @property
+    def timeout_s(self) -> float:
+        return self.timeout_ms / 1000
+
+    @property
+    def idle_timeout_s(self) -> float | None:
+        return None if self.idle_timeout_ms is None else self.idle_timeout_ms / 1000
+
+    @property
+    def preflight_timeout_s(self) -> float:
+        return self.preflight_timeout_ms / 1000
 
     @field_validator("sandbox_id")
     @classmethod
@@ -374,6 +498,11 @@ class McpConfig(_Model):
     timeout_s: Annotated[float, Field(gt=0, le=MAX_CALL_TIMEOUT_S)] = 300.0
     """run_shell_monitored and sandbox_exec: default per-call timeout."""
 
+    max_output_bytes: Annotated[StrictInt, Field(ge=64, le=1 * GiB)] = 64 * KiB
+    """run_shell_monitored and sandbox_exec: default bytes kept of each of stdout and stderr
+    (head and tail), sized for an agent's context; a call may ask for up to
+    sandbox.maxOutputBytes."""
+
     max_timeout_s: Annotated[float, Field(gt=0, le=MAX_CALL_TIMEOUT_S)] = 3_600.0
     """Most an agent may ask for in a call's timeout_s; the tools refuse more. (The
     sandbox's quotas cap memory, processes and disk whatever a call asks; time has only
@@ -389,6 +518,11 @@ class McpConfig(_Model):
     max_sessions: Annotated[StrictInt, Field(ge=1, le=1_000)] = 16
     """Most sandboxes one server keeps alive at once: the agents' sessions plus the
     run_shell_monitored calls in flight."""
+
+    max_sessions_per_client: Annotated[StrictInt, Field(ge=1, le=1_000)] | None = None
+    """Most of those one MCP client session may hold at once, so that over HTTP one client
+    cannot take every slot from the others. Unset: no share, any client may use all of
+    maxSessions."""
 
     @model_validator(mode="after")
     def _default_within_max(self) -> McpConfig:
@@ -451,16 +585,8 @@ def parse_config(data: Any, *, source: str = "config") -> DevsConfig:
         raise ConfigError(f"{source}: {msg}", key=key) from None
 
 
-def load_config(path: Path | str | None = None, *, cwd: Path | None = None) -> DevsConfig:
-    """Load ``path``, or ``./devs.config.json`` if it exists, or the defaults.
-
-    An explicit path that does not exist is an error; a missing implicit file is not.
-    """
-    if path is None:
-        candidate = (cwd or Path.cwd()) / CONFIG_FILE_NAME
-        if not candidate.is_file():
-            return DevsConfig()
-        path = candidate
+def read_config_file(path: Path | str) -> Any:
+    """The decoded JSON of one config file; ``ConfigError`` naming the file otherwise."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -475,16 +601,16 @@ def load_config(path: Path | str | None = None, *, cwd: Path | None = None) -> D
             f"{path}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}",
             key="(root)",
         ) from None
-    return parse_config(data, source=str(path))
+    return data
 
 
 def override(config: SandboxLifecycleConfig, **changes: Any) -> SandboxLifecycleConfig:
-    """A copy of ``config`` with ``changes`` (snake_case; ``quotas``, ``isolation``, ``docker``
-    and ``ray`` as dicts merged into the existing ones), re-validated so an override cannot
-    smuggle in a bad value.
+    """A copy of ``config`` with ``changes`` (snake_case; ``quotas``, ``isolation``, ``docker``,
+    ``kubernetes`` and ``ray`` as dicts merged into the existing ones), re-validated so an
+    override cannot smuggle in a bad value.
     """
     data = config.model_dump()
-    for key in ("quotas", "isolation", "docker", "ray"):
+    for key in ("quotas", "isolation", "docker", "kubernetes", "ray"):
         if key in changes:
             nested = changes.pop(key)
             if isinstance(nested, BaseModel):
@@ -498,9 +624,46 @@ def override(config: SandboxLifecycleConfig, **changes: Any) -> SandboxLifecycle
         raise ConfigError(msg, key=bad_key) from None
 
 
+def _attribute_docstrings() -> dict[str, dict[str, str]]:
+    """Each model's fields' docstrings (class name -> field -> text), read from this module's
+    source with ``ast``: what pydantic's ``use_attribute_docstrings`` would do, but only when
+    the schema is generated, not on every import (it cost ~35 ms of each CLI start)."""
+    import ast  # noqa: PLC0415 - schema generation only
+    import inspect  # noqa: PLC0415
+
+    tree = ast.parse(Path(__file__).read_text(encoding="utf-8"))
+    docs: dict[str, dict[str, str]] = {}
+    for cls in tree.body:
+        if not isinstance(cls, ast.ClassDef):
+            continue
+        fields: dict[str, str] = {}
+        for prev, node in zip(cls.body, cls.body[1:], strict=False):
+            if (
+                isinstance(prev, ast.AnnAssign)
+                and isinstance(prev.target, ast.Name)
+                and isinstance(node, ast.Expr)
+                and isinstance(node.value, ast.Constant)
+                and isinstance(node.value.value, str)
+            ):
+                fields[prev.target.id] = inspect.cleandoc(node.value.value)
+        docs[cls.name] = fields
+    return docs
+
+
 def config_json_schema() -> dict[str, Any]:
     """The JSON Schema of ``devs.config.json``, generated from the models (never hand-edited)."""
     schema = DevsConfig.model_json_schema(by_alias=True, mode="validation")
+    docs = _attribute_docstrings()
+    for name, definition in [("DevsConfig", schema), *schema.get("$defs", {}).items()]:
+        model = globals().get(name)
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            continue
+        props = definition.get("properties", {})
+        for field, info in model.model_fields.items():
+            text = docs.get(name, {}).get(field)
+            key = info.alias or field
+            if text and key in props and "description" not in props[key]:
+                props[key]["description"] = text
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     schema["title"] = "devs.config.json"
     return schema
@@ -510,10 +673,13 @@ def render_schema() -> str:
     return json.dumps(config_json_schema(), indent=2, sort_keys=True) + "\n"
 
 
-def default_db_path() -> Path:
-    """$DEVS_SANDBOX_DB, else the XDG data directory."""
-    env = os.environ.get("DEVS_SANDBOX_DB")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+def default_db_path(env: Mapping[str, str] | None = None) -> Path:
+    """$DEVS_SANDBOX_DB, else the XDG data directory (of ``env``, default ours)."""
+    env = os.environ if env is None else env
+    explicit = env.get("DEVS_SANDBOX_DB")
+    if explicit:
+        return Path(explicit)
+    base = env.get("XDG_DATA_HOME") or str(
+        Path(env.get("HOME") or Path.home()) / ".local" / "share"
+    )
     return Path(base) / "devs-sandbox" / "devs.db"

@@ -15,19 +15,23 @@ are translated where they enter, with ``raise ... from exc``.
     +-- ConfigError (ValueError)                 bad config file, option or argument
     |   +-- InvalidSandboxIdError
     |   +-- SecurityConfigError                  a hardening setting was weakened
+    |   +-- UntrustedConfigError                 a working directory's config tried to weaken
     +-- IsolationUnavailableError                strict mode: a required mechanism is missing
     |   +-- WeakerIsolationError                 a layer the defaults promise is missing
     +-- DriverError                              the driver's infrastructure failed
     |   +-- DriverUnavailableError               backend not installed or not reachable
     |   +-- ProvisionError                       the sandbox could not be created
+    |   |   +-- CapacityError                    the cluster refused it: quota, no room
     |   +-- ImageUnavailableError                no image could be resolved or built
     |   +-- UnsupportedRuntimeError              the driver lacks the runtime a command needs
+    |   +-- ExecLostError                        an exec ended without an exit status
     |   +-- SandboxLostError                     its node died or became unreachable mid-run
     +-- SandboxNotFoundError (KeyError)          unknown or already destroyed sandbox id
     +-- SessionLimitError                        the MCP server already keeps mcp.maxSessions alive
     +-- ExecTimeoutError (TimeoutError)          one exec ran past its own timeout
     +-- ResourceLimitExceededError               run_shell_monitored killed a command; .result
     +-- SecretError                              a secret could not be read or injected
+    +-- SandboxFileError                         a file could not be read, written or copied out
     +-- StoreError                               the violation store failed
     +-- SandboxRunError                          a run ended abnormally; carries .outcome
         +-- SandboxPreFlightError                a preflight command failed; the task did not run
@@ -40,6 +44,7 @@ are translated where they enter, with ``raise ... from exc``.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -64,6 +69,15 @@ class InvalidSandboxIdError(ConfigError):
 
 class SecurityConfigError(ConfigError):
     """A container host config that drops one of the mandatory hardening settings."""
+
+
+class UntrustedConfigError(ConfigError):
+    """A config file found implicitly in the working directory (the workload's, not the
+    operator's) set a key that would weaken the sandbox; ``key`` names it, ``path`` the file."""
+
+    def __init__(self, message: str, *, key: str, path: Path) -> None:
+        super().__init__(message, key=key)
+        self.path = path
 
 
 class IsolationUnavailableError(DevsSandboxError):
@@ -106,6 +120,16 @@ class ProvisionError(DriverError):
     """A sandbox could not be created; whatever was made has been torn down."""
 
 
+class CapacityError(ProvisionError):
+    """The backend refused the sandbox for lack of room: a ResourceQuota answered 403
+    ("exceeded quota"), or no node can take the pod. Reported at once with the backend's
+    reason, never as a timeout; ``reason`` is that text."""
+
+    def __init__(self, message: str, *, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 class ImageUnavailableError(DriverError):
     """No local image, no registry, no fallback and the rebuild failed."""
 
@@ -117,6 +141,12 @@ class UnsupportedRuntimeError(DriverError):
         super().__init__(message)
         self.runtime = runtime
         self.suggested_driver = suggested_driver
+
+
+class ExecLostError(DriverError):
+    """The exec stream ended without the exit status the protocol promises (a dropped
+    connection, a lost frame): an infrastructure failure, never reported as exit 0.
+    The exec's processes were killed before this was raised, where the backend allowed."""
 
 
 class SandboxLostError(DriverError):
@@ -159,9 +189,9 @@ class SessionLimitError(DevsSandboxError):
 class ExecTimeoutError(DevsSandboxError, TimeoutError):
     """``with_execution_timeout`` gave up on one call; the call's work was killed."""
 
-    def __init__(self, timeout_ms: int, result: ExecResult | None = None) -> None:
-        super().__init__(f"execution exceeded {timeout_ms} ms")
-        self.timeout_ms = timeout_ms
+    def __init__(self, timeout_s: float, result: ExecResult | None = None) -> None:
+        super().__init__(f"execution exceeded {timeout_s:g} s")
+        self.timeout_s = timeout_s
         self.result = result
 
 
@@ -192,6 +222,12 @@ class ResourceLimitExceededError(DevsSandboxError):
 
 class SecretError(DevsSandboxError):
     """A secret named on the command line or in config could not be read or delivered."""
+
+
+class SandboxFileError(DevsSandboxError):
+    """A file of a sandbox's workspace could not be read, written, listed or copied out: a
+    path outside the workspace (``..``, absolute, a symlink out), a missing file, one over
+    the size limit."""
 
 
 class StoreError(DevsSandboxError):
@@ -226,19 +262,19 @@ class SandboxTimeoutError(SandboxRunError, TimeoutError):
     """The run's total timeout fired; every process of the sandbox was SIGKILLed."""
 
     def __init__(
-        self, timeout_ms: int, outcome: SandboxOutcome | None = None, *, idle: bool = False
+        self, timeout_s: float, outcome: SandboxOutcome | None = None, *, idle: bool = False
     ) -> None:
         if idle:
             message = (
-                f"sandbox killed after {timeout_ms} ms without output "
-                "(raise sandbox.idleTimeoutMs or --idle-timeout)"
+                f"sandbox killed after {timeout_s:g} s without output "
+                "(raise --idle-timeout or sandbox.idleTimeoutMs)"
             )
         else:
             message = (
-                f"sandbox timed out after {timeout_ms} ms (raise sandbox.timeoutMs or --timeout)"
+                f"sandbox timed out after {timeout_s:g} s (raise --timeout or sandbox.timeoutMs)"
             )
         super().__init__(message, outcome)
-        self.timeout_ms = timeout_ms
+        self.timeout_s = timeout_s
         self.idle = idle
 
 

@@ -12,13 +12,14 @@ running is run to completion in the emitting thread.
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import logging
+import sys
 import threading
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final, NamedTuple
+
+if TYPE_CHECKING:
+    import asyncio
 
 logger = logging.getLogger(__name__)
 
@@ -45,10 +46,22 @@ class SandboxEvents:
     QUEUED: Final = "sandbox:queued"
 
 
-@dataclass(frozen=True, slots=True)
-class _Subscription:
+class _Subscription(NamedTuple):
     listener: Listener
     loop: asyncio.AbstractEventLoop | None
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    """The loop running in this thread, if any; asyncio is not imported for the answer
+    (a process that never imported it runs no loop): the CLI's start-up stays lean."""
+    if "asyncio" not in sys.modules:
+        return None
+    import asyncio  # noqa: PLC0415 - already loaded
+
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 class EventBus:
@@ -62,11 +75,7 @@ class EventBus:
 
     def on(self, event: str, listener: Listener) -> Callable[[], None]:
         """Subscribe; returns a function that unsubscribes (idempotent)."""
-        try:
-            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-        except RuntimeError:
-            loop = None
-        sub = _Subscription(listener, loop)
+        sub = _Subscription(listener, _running_loop())
         with self._lock:
             self._subs.setdefault(event, []).append(sub)
 
@@ -104,7 +113,7 @@ class EventBus:
         for sub in subs:
             try:
                 result = sub.listener(event, data)
-                if inspect.isawaitable(result):
+                if hasattr(result, "__await__"):  # an async listener's coroutine
                     self._run_awaitable(result, sub.loop, event)
                 delivered += 1
             except Exception:
@@ -115,6 +124,8 @@ class EventBus:
     def _run_awaitable(
         awaitable: Awaitable[Any], loop: asyncio.AbstractEventLoop | None, event: str
     ) -> None:
+        import asyncio  # noqa: PLC0415 - only async listeners need it
+
         async def guarded() -> None:
             try:
                 await awaitable

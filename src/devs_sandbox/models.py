@@ -174,12 +174,17 @@ class TreeSample:
 
     ``rss_bytes`` sums the resident memory of every process in the tree; ``cpu_percent`` is
     the tree's CPU time since the previous sample over the wall time between them, where
-    100 is one core (``None`` on the first sample: no rate yet).
+    100 is one core (``None`` on the first sample: no rate yet). ``runnable_percent`` adds
+    the time the tree's processes waited for a CPU (``None`` where the host does not
+    report it); ``interval_s`` is the wall time since the previous sample (``None``: the
+    poll interval).
     """
 
     rss_bytes: int
     cpu_percent: float | None
     processes: int = 1
+    runnable_percent: float | None = None
+    interval_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

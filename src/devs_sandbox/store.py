@@ -12,11 +12,12 @@ Invariants:
 
 from __future__ import annotations
 
+import json
 import logging
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -173,14 +174,32 @@ class ViolationStore:
 
     # -- reads (CLI, MCP, tests; never during a run) --------------------------------------
     def list(
-        self, *, sandbox_id: str | None = None, limit: int | None = None
+        self,
+        *,
+        sandbox_id: str | None = None,
+        sandbox_ids: Collection[str] | None = None,
+        limit: int | None = None,
     ) -> list[dict[str, Any]]:
-        """Rows newest first, as dicts keyed by the column names."""
+        """Rows newest first, as dicts keyed by the column names: all of them, those of
+        ``sandbox_id``, and (when given) only those whose sandbox is in ``sandbox_ids``.
+
+        ``sandbox_ids`` is how the MCP server shows a client its own rows only: the server
+        knows which sandboxes each client made; the table stays what the bus recorded.
+        """
+        if sandbox_ids is not None and not sandbox_ids:
+            return []
         sql = f"SELECT {', '.join(COLUMNS)} FROM sandbox_violations"  # noqa: S608 - constants
+        where: list[str] = []
         params: list[Any] = []
         if sandbox_id is not None:
-            sql += " WHERE sandbox_id = ?"
+            where.append("sandbox_id = ?")
             params.append(sandbox_id)
+        if sandbox_ids is not None:
+            # One bound parameter however many ids (no SQLITE_MAX_VARIABLE_NUMBER to hit).
+            where.append("sandbox_id IN (SELECT value FROM json_each(?))")
+            params.append(json.dumps(sorted(sandbox_ids)))
+        if where:
+            sql += " WHERE " + " AND ".join(where)
         sql += " ORDER BY terminated_at DESC, rowid DESC"
         if limit is not None:
             sql += " LIMIT ?"

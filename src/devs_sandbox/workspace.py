@@ -25,8 +25,10 @@ Depth counts directories below the workspace root: ``a/b/c/`` is depth 3.
 
 from __future__ import annotations
 
+import io
 import os
 import stat
+import tarfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -241,3 +243,58 @@ class WorkspaceScanner:
             )
             w.stack.extend((f"{cur.path}/{n}", cur.depth + 1) for n in cur.subdirs)
             w.current = None
+
+
+# -- unpacking a tree that came from a sandbox --------------------------------------------
+def unpack_tar(data: bytes, target: Path) -> list[str]:
+    """Extract a tar archive into ``target`` (made 0700 if missing) by tarfile's ``data``
+    rules: no absolute paths, no ``..``, nothing written through a link out of ``target``,
+    no links out, no devices, no setuid/setgid/sticky or group/other write bits, owners
+    not set. Returns the archive's top-level names. Raises ``tarfile.TarError``."""
+    target.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
+        members = tar.getmembers()
+        tops = list(dict.fromkeys(Path(m.name).parts[0] for m in members if m.name))
+        if hasattr(tarfile, "data_filter"):
+            # Every member checked before the first is written: a refused archive leaves
+            # nothing behind (extraction checks each again against the tree it makes).
+            for member in members:
+                tarfile.data_filter(member, str(target))
+            tar.extractall(target, filter="data")
+        else:  # Python before 3.11.4 (Debian bookworm's 3.11.2): the same rules, by hand
+            _extract_data_only(tar, target)
+    return tops
+
+
+def _extract_data_only(tar: tarfile.TarFile, target: Path) -> None:
+    """``filter="data"`` where tarfile lacks it: regular files, directories and symlinks
+    only, each checked against the tree as extracted so far (a link made by an earlier
+    member counts), nothing outside ``target``, no setuid/setgid/sticky or world-write
+    bits. Raises ``tarfile.TarError``."""
+    root = os.path.realpath(target)
+    # Owners are not the archive's to set (the data filter ignores them too).
+    tar.chown = lambda *_args, **_kwargs: None  # type: ignore[method-assign]
+
+    def inside(path: str) -> bool:
+        return os.path.commonpath([root, os.path.realpath(path)]) == root
+
+    for member in tar.getmembers():  # what can be told without the tree: all first
+        if Path(member.name).is_absolute() or ".." in Path(member.name).parts:
+            raise tarfile.TarError(f"{member.name!r}: a path out of the target")
+        if member.issym() and Path(member.linkname).is_absolute():
+            raise tarfile.TarError(f"{member.name!r}: a link to an absolute path")
+        if not (member.isfile() or member.isdir() or member.issym()):
+            raise tarfile.TarError(f"{member.name!r}: not a regular file, directory or symlink")
+    for member in tar.getmembers():
+        name = member.name
+        dest = str(Path(root) / name)
+        if not inside(dest):
+            raise tarfile.TarError(f"{name!r}: would be written outside the target")
+        if member.issym():
+            link = str(Path(dest).parent / member.linkname)
+            if Path(member.linkname).is_absolute() or not inside(link):
+                raise tarfile.TarError(f"{name!r}: a link out of the target")
+        elif not (member.isfile() or member.isdir()):
+            raise tarfile.TarError(f"{name!r}: not a regular file, directory or symlink")
+        member.mode &= 0o755 if member.isdir() or member.mode & 0o100 else 0o644
+        tar.extract(member, root, set_attrs=not member.issym())

@@ -17,19 +17,20 @@ from typing import Any
 
 import pytest
 
-from devs_sandbox.config import SandboxLifecycleConfig, override
+from devs_sandbox.config import SandboxLifecycleConfig
 from devs_sandbox.events import EventBus
 from devs_sandbox.lifecycle import SandboxLifecycleManager
 from devs_sandbox.models import SandboxContext
-from devs_sandbox.store import ViolationStore
+from tests.helpers import config
+from tests.helpers import manager as manager_for
 
 SESSION = f"devs-test-{uuid.uuid4().hex[:10]}"
 LABELS = {"devs.test": SESSION}
 
 
 def dconfig(**changes: Any) -> SandboxLifecycleConfig:
-    """A docker run config; ``quotas``/``isolation``/``docker`` as dicts are merged."""
-    return override(SandboxLifecycleConfig(), driver="docker", **changes)
+    """``tests.helpers.config`` on the docker driver."""
+    return config(driver="docker", **changes)
 
 
 def session_containers(client: Any) -> list[dict[str, Any]]:
@@ -83,9 +84,9 @@ def driver(docker_image: str, bus: EventBus) -> Iterator[Any]:
 
     d = DockerDriver(emit=bus.emit, extra_labels=LABELS)
     yield d
-    for sandbox_id in list(d._boxes):
+    for ctx in d.live_sandboxes():
         with contextlib.suppress(Exception):
-            d.destroy(d._context(d._boxes[sandbox_id]))
+            d.destroy(ctx)
     d.close()
 
 
@@ -103,6 +104,6 @@ def sandbox(driver: Any) -> Callable[..., SandboxContext]:
 @pytest.fixture
 def manager(driver: Any, bus: EventBus, tmp_path: Path) -> Iterator[SandboxLifecycleManager]:
     """A lifecycle manager over the test's driver, recording violations in tmp_path."""
-    m = SandboxLifecycleManager(driver, bus=bus, store=ViolationStore(tmp_path / "v.db"))
+    m = manager_for(driver, db=tmp_path / "v.db", bus=bus)
     yield m
     m.shutdown()

@@ -81,13 +81,25 @@ def test_an_oom_in_a_session_is_recorded_by_the_detector_once(
 
 
 def test_a_full_workspace_is_routed_to_the_handler(
+    driver: Any,
     manager: SandboxLifecycleManager,
     events: list[tuple[str, dict[str, Any]]],
     engine: Any,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    removal = driver.removal
+    removed: list[str] = []
+    real_remove = removal.remove_container
+
+    def remove_container(container_id: str) -> None:  # counts, then asks the real engine
+        removed.append(container_id)
+        real_remove(container_id)
+
+    monkeypatch.setattr(removal, "remove_container", remove_container)
     cfg = dconfig(quotas={"disk_bytes": 2 * MiB})
     with pytest.raises(DiskQuotaExceededError) as err:
         manager.run_in_sandbox(["sh", "-c", "head -c 8000000 /dev/zero > big"], cfg)
+    assert len(removed) == 1, f"the container was removed {len(removed)} times: {removed}"
     assert err.value.outcome is not None and err.value.outcome.exit_code == 137
     assert exhaustion_events(events) == [SandboxEvents.DISK_QUOTA, SandboxEvents.CLEANUP_COMPLETE]
     quota = next(p for n, p in events if n == SandboxEvents.DISK_QUOTA)

@@ -167,22 +167,22 @@ def test_destroy_removes_everything_and_is_idempotent(
     assert not list(Path("/sys/fs/cgroup/freezer/docker").glob(f"{cid}*"))
 
 
-def test_destroy_after_a_partial_provision_by_id(driver: Any, engine: Any) -> None:
+def test_destroy_after_a_partial_provision_by_id(
+    driver: Any, engine: Any, docker_image: str
+) -> None:
     """A crash between create and start leaves a container only its name can find."""
-    from devs_sandbox.drivers.docker import _Box
+    from devs_sandbox.drivers.docker import CONTAINER_PREFIX, HOST_DIR_PREFIX
 
-    plan = driver._plan(dconfig(sandbox_id="devs-test-partial-1"))
-    box = _Box(
-        "devs-test-partial-1", plan, driver.workspace_root / "devs-sandbox-devs-test-partial-1", ()
-    )
+    sandbox_id = "devs-test-partial-1"
+    name = f"{CONTAINER_PREFIX}{sandbox_id}"
+    host_dir = driver.workspace_root / f"{HOST_DIR_PREFIX}{sandbox_id}"
     engine.api.create_container(
-        plan.image.image_id, ["true"], name=box.name, labels={**LABELS, "devs.managed": "true"}
+        docker_image, ["true"], name=name, labels={**LABELS, "devs.managed": "true"}
     )
-    box.host_dir.mkdir()
-    ctx = driver._context(box)
-    driver.destroy(ctx)
-    assert not box.host_dir.exists()
-    assert not [c for c in session_containers(engine) if f"/{box.name}" in c["Names"]]
+    host_dir.mkdir()
+    driver.destroy(SandboxContext(id=sandbox_id, driver="docker", workspace=host_dir, isolation=()))
+    assert not host_dir.exists()
+    assert not [c for c in session_containers(engine) if f"/{name}" in c["Names"]]
 
 
 def test_a_colliding_fixed_id_never_touches_the_other_sandbox(

@@ -21,6 +21,7 @@ from devs_sandbox.events import EventBus
 from devs_sandbox.lifecycle import SandboxLifecycleManager
 from devs_sandbox.models import SandboxContext
 from tests.docker.conftest import LABELS, dconfig, session_containers
+from tests.helpers import manager as new_manager
 
 pytestmark = pytest.mark.docker
 MiB = 2**20
@@ -93,19 +94,18 @@ def test_warm_pool_hands_out_prestarted_containers(
     docker_image: str, engine: Any, tmp_path: Path
 ) -> None:
     from devs_sandbox.drivers.docker import DockerDriver
-    from devs_sandbox.store import ViolationStore
 
     bus = EventBus()
     driver = DockerDriver(emit=bus.emit, extra_labels=LABELS)
-    manager = SandboxLifecycleManager(driver, bus=bus, store=ViolationStore(tmp_path / "v.db"))
+    manager = new_manager(driver, db=tmp_path / "v.db", bus=bus)
     cfg = dconfig(docker={"warm_pool_size": 1})
     try:
         first = manager.run_in_sandbox(["echo", "one"], cfg)
         assert first.result.stdout.text == "one\n"
         from tests.integration.helpers import wait_for
 
-        assert wait_for(lambda: len(driver._pool.ids()) == 1, 60)
-        (pooled,) = driver._pool.ids()
+        assert wait_for(lambda: len(driver.pool.ids()) == 1, 60)
+        (pooled,) = driver.pool.ids()
         second = manager.run_in_sandbox(["sh", "-c", "echo two; cat /proc/1/cmdline"], cfg)
         assert second.sandbox_id == pooled and second.result.stdout.text.startswith("two\n")
         fixed = manager.run_in_sandbox(
@@ -122,7 +122,7 @@ def test_shutdown_closes_the_driver(docker_image: str) -> None:
     from devs_sandbox.drivers.docker import DockerDriver
 
     driver = DockerDriver(extra_labels=LABELS)
-    manager = SandboxLifecycleManager(driver, store=None)
+    manager = new_manager(driver)
     manager.run_in_sandbox(["true"], dconfig())
     assert driver.oom_watcher is not None and driver.oom_watcher.running
     manager.shutdown()

@@ -6,7 +6,7 @@ import pytest
 
 from devs_sandbox.errors import ResourceLimitExceededError
 from devs_sandbox.lifecycle import SandboxLifecycleManager
-from devs_sandbox.monitor.shell import MonitoredShellOptions, run_shell_monitored_sync
+from devs_sandbox.tools.shell import MonitoredShellOptions, run_shell_monitored_sync
 from tests.docker.conftest import dconfig
 
 pytestmark = pytest.mark.docker

@@ -3,22 +3,13 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 import psutil
 
-from devs_sandbox.config import SandboxLifecycleConfig, override
-from devs_sandbox.lifecycle import SandboxLifecycleManager
-from devs_sandbox.store import ViolationStore
+from tests.helpers import config, manager
 
-
-def config(**kw: Any) -> SandboxLifecycleConfig:
-    return override(SandboxLifecycleConfig(), **kw)
-
-
-def manager(db: Path | None = None) -> SandboxLifecycleManager:
-    return SandboxLifecycleManager(store=ViolationStore(db) if db else None)
+__all__ = ["config", "manager", "processes_with", "wait_for"]
 
 
 def processes_with(marker: str) -> list[psutil.Process]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,7 +17,7 @@ import pytest
 from devs_sandbox.leases import LeaseRegistry
 from devs_sandbox.store import ViolationStore
 from tests.conftest import run_cli
-from tests.contracts import RESOURCE_KEYS, RUN_JSON_KEYS
+from tests.contracts import RESOURCE_KEYS, RUN_JSON_KEYS, task_stderr
 from tests.integration.helpers import processes_with, wait_for
 
 pytestmark = pytest.mark.integration
@@ -43,7 +45,7 @@ def test_exit_status_is_the_commands() -> None:
 
 def test_output_streams_to_our_own_without_json() -> None:
     r = run_cli("run", "--", "sh", "-c", "echo out; echo err >&2")
-    assert r.stdout == "out\n" and r.stderr == "err\n"
+    assert r.stdout == "out\n" and task_stderr(r.stderr) == "err\n"
 
 
 def test_output_streams_as_it_comes_not_after_the_end() -> None:
@@ -74,7 +76,7 @@ def test_output_streams_as_it_comes_not_after_the_end() -> None:
 def test_timeout_exits_124_with_one_line() -> None:
     r = run_cli("run", "--timeout", "1", "--", "sleep", "30")
     assert r.returncode == 124
-    lines = r.stderr.strip().splitlines()
+    lines = task_stderr(r.stderr).strip().splitlines()
     assert len(lines) == 1 and "timed out" in lines[0] and "--timeout" in lines[0]
 
 
@@ -172,7 +174,7 @@ def test_db_from_environment_variable(tmp_path: Path) -> None:
 def test_bad_input_is_one_line_and_125(args: list[str], needle: str) -> None:
     r = run_cli(*args)
     assert r.returncode == 125, (r.returncode, r.stderr)
-    lines = r.stderr.strip().splitlines()
+    lines = task_stderr(r.stderr).strip().splitlines()
     assert len(lines) == 1, r.stderr
     assert needle in lines[0]
     assert "Traceback" not in r.stderr
@@ -192,7 +194,9 @@ def test_preflight_failure_is_125_and_the_task_never_runs(tmp_path: Path) -> Non
     marker = tmp_path / "ran"
     r = run_cli(
         "run",
-        "--network",
+        # With network where the host can isolate it (pasta), else without: either way
+        # the preflight failure must win.
+        *(["--network"] if shutil.which("pasta") else []),
         "--preflight",
         "true",
         "--preflight",
@@ -211,9 +215,11 @@ def test_config_schema_and_show(tmp_path: Path) -> None:
     schema = json.loads(run_cli("config", "schema").stdout)
     assert schema["title"] == "devs.config.json"
     (tmp_path / "devs.config.json").write_text(json.dumps({"sandbox": {"timeoutMs": 1234}}))
-    shown = json.loads(run_cli("config", "show", cwd=tmp_path).stdout)
-    assert shown["sandbox"]["timeoutMs"] == 1234
-    assert shown["sandbox"]["quotas"]["fileCountLimit"] == 10_000
+    shown = json.loads(run_cli("config", "show", "--json", cwd=tmp_path).stdout)
+    assert shown["config"]["sandbox"]["timeoutMs"] == 1234
+    assert shown["sources"]["sandbox.timeoutMs"].endswith("/devs.config.json")
+    assert shown["sources"]["sandbox.quotas.memoryBytes"] == "default"
+    assert shown["config"]["sandbox"]["quotas"]["fileCountLimit"] == 10_000
 
 
 def test_doctor_reports_every_mechanism() -> None:
@@ -249,12 +255,20 @@ def start_cli_sleeper() -> tuple[subprocess.Popen[bytes], str]:
     return proc, marker
 
 
-def test_sigterm_to_the_cli_destroys_the_sandbox() -> None:
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_sigterm_or_sighup_to_the_cli_destroys_the_sandbox(sig: signal.Signals) -> None:
+    """SIGHUP is what closing the terminal sends: it cleans up as SIGTERM does (workspace,
+    tmpfs mount, cgroups and lease gone at once, not at the next start)."""
     proc, marker = start_cli_sleeper()
-    proc.send_signal(signal.SIGTERM)
+    mine = [lease for _, lease in LeaseRegistry().all() if lease and lease.owner.pid == proc.pid]
+    assert mine, "the run took no lease"
+    proc.send_signal(sig)
     proc.wait(30)
-    assert proc.returncode == 128 + signal.SIGTERM
+    assert proc.returncode == 128 + sig
     assert wait_for(lambda: not processes_with(marker), 5)
+    for lease in mine:
+        assert not Path(lease.workspace).exists(), lease.workspace
+        assert LeaseRegistry().read(lease.sandbox_id) is None
 
 
 def test_a_crashed_owner_is_reaped_by_cleanup_and_on_next_start() -> None:
@@ -291,3 +305,63 @@ def test_stdin_option_feeds_the_command(tmp_path: Path) -> None:
     assert piped.stdout == "piped\n"
     default = run_cli("run", "--", "cat")
     assert default.stdout == "" and default.returncode == 0
+
+
+def test_a_reader_that_goes_away_is_not_an_error() -> None:
+    """`devs-sandbox doctor --json | head`: quiet, as a CLI killed by SIGPIPE (here the
+    reader, `true`, is gone before the CLI has imported itself)."""
+    script = (
+        f'{sys.executable} -m devs_sandbox doctor --json | true; echo "s=${{PIPESTATUS[0]}}" >&2'
+    )
+    proc = subprocess.run(
+        ["/bin/bash", "-c", script],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "DEVS_SANDBOX_DAEMON": "0"},
+        timeout=60,
+        check=False,
+    )
+    assert "Error" not in proc.stderr and "internal error" not in proc.stderr, proc.stderr
+    assert "s=141" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        (
+            ["--timeout", "100000"],
+            "devs-sandbox run: --timeout 100000: must be at most 86400 seconds",
+        ),
+        (["--memory", "1k"], "devs-sandbox run: --memory 1024: must be at least 4194304 bytes"),
+        (["--max-output", "1"], "devs-sandbox run: --max-output 1: must be at least 64 bytes"),
+    ],
+)
+def test_a_bound_is_said_in_the_options_terms(options: list[str], expected: str) -> None:
+    """The option the user typed and its unit, not the config key in milliseconds."""
+    proc = run_cli("run", *options, "--", "true")
+    assert proc.returncode == 125
+    assert proc.stderr.strip() == expected
+    assert "Ms" not in proc.stderr and "sandbox." not in proc.stderr
+
+
+def test_copy_out_brings_results_home_and_nothing_else(tmp_path: Path) -> None:
+    dest = tmp_path / "results"
+    script = "mkdir -p out/sub && echo 42 > out/sub/answer && printf x > single && echo ran"
+    ok = run_cli(
+        "run", "--copy-out", f"out:{dest}", "--copy-out", f"single:{dest}", "--", "sh", "-c", script
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout == "ran\n"
+    assert (dest / "out" / "sub" / "answer").read_text() == "42\n"
+    assert (dest / "single").read_text() == "x"
+    bad = tmp_path / "bad"
+    escape = run_cli(
+        "run", "--copy-out", f"out:{bad}", "--", "sh", "-c", "mkdir out; ln -s /etc/shadow out/s"
+    )
+    assert escape.returncode == 125
+    assert escape.stderr.strip().endswith("a link to an absolute path")
+    assert not (bad / "out").exists()
+    outside = run_cli("run", "--copy-out", f"../etc:{bad}", "--", "true")
+    assert outside.returncode == 125 and "inside the workspace" in outside.stderr
+    malformed = run_cli("run", "--copy-out", "nocolon", "--", "true")
+    assert malformed.returncode == 125 and "SRC:DEST" in malformed.stderr

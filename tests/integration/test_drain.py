@@ -14,9 +14,10 @@ from devs_sandbox.errors import ConfigError, QuotaExceededError
 from devs_sandbox.events import SandboxEvents
 from devs_sandbox.lifecycle import SandboxLifecycleManager
 from devs_sandbox.models import ViolationType
-from devs_sandbox.monitor.drain import QuotaViolation
+from devs_sandbox.monitors.drain import QuotaViolation
 from devs_sandbox.store import ViolationStore
-from tests.integration.helpers import config
+from tests.helpers import config
+from tests.helpers import manager as new_manager
 
 pytestmark = pytest.mark.integration
 PY = "/usr/bin/python3" if Path("/usr/bin/python3").exists() else "python3"
@@ -30,7 +31,7 @@ def drain_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def manager(drain_db: Path) -> Iterator[SandboxLifecycleManager]:
-    m = SandboxLifecycleManager(store=ViolationStore(drain_db))
+    m = new_manager(db=drain_db)
     yield m
     m.shutdown()
 

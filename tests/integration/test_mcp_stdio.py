@@ -32,7 +32,7 @@ from mcp.types import CallToolResult
 
 from devs_sandbox.leases import LeaseRegistry
 from tests.conftest import caps
-from tests.contracts import SHELL_OUTPUT_KEYS
+from tests.contracts import SHELL_OUTPUT_KEYS, tool_answer
 from tests.integration.helpers import processes_with, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.mcp]
@@ -83,7 +83,7 @@ class Server:
 
     async def call(self, client: Client, tool: str, args: dict[str, Any]) -> CallToolResult:
         r = await client.call_tool(tool, args, read_timeout_seconds=CALL_TIMEOUT_S)
-        data = r.structured_content or {}
+        data = tool_answer(r) or {}
         if isinstance(data, dict) and isinstance(data.get("sandbox_id"), str):
             self.sandbox_ids.add(data["sandbox_id"])
         return r
@@ -138,7 +138,10 @@ def test_tools_and_schemas(tmp_path: Path) -> None:
             "sandbox_create",
             "sandbox_destroy",
             "sandbox_exec",
+            "sandbox_list_files",
+            "sandbox_read_file",
             "sandbox_violations",
+            "sandbox_write_file",
         ]
         schema = tools["run_shell_monitored"].input_schema
         assert schema["required"] == ["command"]
@@ -149,8 +152,9 @@ def test_tools_and_schemas(tmp_path: Path) -> None:
         assert schema["properties"]["poll_interval_ms"]["default"] == 1_000
         assert tools["sandbox_exec"].input_schema["required"] == ["sandbox_id", "command"]
         assert tools["sandbox_destroy"].input_schema["required"] == ["sandbox_id"]
-        out = tools["run_shell_monitored"].output_schema
-        assert out is not None and set(out["properties"]) == SHELL_OUTPUT_KEYS
+        # The run tools answer in one JSON text block (SHELL_OUTPUT_KEYS), no output schema.
+        assert tools["run_shell_monitored"].output_schema is None
+        assert schema["properties"]["max_output_bytes"]["default"] == 64 << 10
 
     server.run(scenario)
     server.assert_nothing_left()
@@ -164,13 +168,14 @@ def test_a_normal_call_and_bad_inputs(tmp_path: Path) -> None:
             client, "run_shell_monitored", {"command": "echo hello; id -u; echo oops >&2; exit 4"}
         )
         assert not r.is_error, r
-        data = r.structured_content
+        data = tool_answer(r)
         assert data is not None
         out_lines = data["stdout"].splitlines()
         assert (data["exit_code"], out_lines[0], data["stderr"]) == (4, "hello", "oops\n")
         if os.geteuid() == 0:  # as root, the sandbox has a uid of its own, never root's
             assert int(out_lines[1]) >= 1_600_000_000
         assert data["stdout_truncated"] is False and data["duration_s"] > 0
+        assert set(data) == SHELL_OUTPUT_KEYS
 
         bad: list[tuple[str, dict[str, Any], str]] = [
             ("run_shell_monitored", {"command": ""}, "command: String should have at least 1"),
@@ -209,14 +214,14 @@ def test_a_normal_call_and_bad_inputs(tmp_path: Path) -> None:
             assert "Traceback" not in text
         # A second destroy.
         r = await server.call(client, "sandbox_create", {})
-        assert r.structured_content is not None
-        sid = r.structured_content["sandbox_id"]
+        assert tool_answer(r) is not None
+        sid = tool_answer(r)["sandbox_id"]
         assert not (await server.call(client, "sandbox_destroy", {"sandbox_id": sid})).is_error
         again = await server.call(client, "sandbox_destroy", {"sandbox_id": sid})
         assert "(destroyed by sandbox_destroy)" in error_text(again)
         # Still serving after all that.
         r = await server.call(client, "run_shell_monitored", {"command": "echo alive"})
-        assert r.structured_content is not None and r.structured_content["stdout"] == "alive\n"
+        assert tool_answer(r) is not None and tool_answer(r)["stdout"] == "alive\n"
 
     server.run(scenario)
     server.assert_nothing_left()
@@ -234,9 +239,9 @@ def test_a_cpu_kill_and_an_rss_kill(tmp_path: Path) -> None:
             {"command": spin, "cpu_sustained_ms": 1_000, "poll_interval_ms": 250},
         )
         assert error_text(r).startswith("Process ")
-        cpu = r.structured_content
+        cpu = tool_answer(r)
         assert cpu is not None and cpu["reason"] == "cpu"
-        assert cpu["value"] >= cpu["limit"] == 91.0
+        assert cpu["value"] >= cpu["limit"] == 97.0  # a 1 s window: two 10 ms ticks and 1%
         assert isinstance(cpu["pid"], int) and cpu["exit_code"] == 137
 
         tag = marker()
@@ -246,16 +251,45 @@ def test_a_cpu_kill_and_an_rss_kill(tmp_path: Path) -> None:
             "run_shell_monitored",
             {"command": hog, "rss_limit_bytes": 64 << 20, "poll_interval_ms": 100},
         )
-        rss = r.structured_content
+        rss = tool_answer(r)
         assert rss is not None and rss["reason"] == "rss"
         assert rss["value"] > rss["limit"] == 64 << 20
         assert f"exceeded rss limit: {rss['value']} > {64 << 20}" in error_text(r)
         assert not processes_with(tag)
 
         r = await server.call(client, "sandbox_violations", {"limit": 10})
-        assert r.structured_content is not None
-        kinds = [v["violation_type"] for v in r.structured_content["violations"]]
+        assert tool_answer(r) is not None
+        kinds = [v["violation_type"] for v in tool_answer(r)["violations"]]
         assert kinds == ["MEMORY_EXCEEDED", "CPU_EXCEEDED"]
+
+    server.run(scenario)
+    server.assert_nothing_left()
+
+
+@pytest.mark.cgroups
+def test_a_kernel_oom_kill_in_a_session_is_reported_by_the_call_that_caused_it(
+    tmp_path: Path,
+) -> None:
+    """The memory cgroup OOM-kills the command (the RSS monitor's limit is far above): that
+    call says the quota was broken and the sandbox destroyed; before the fix it read as a
+    plain exit 137, and the next command (an echo) was the one reported as the violation."""
+    server = Server(tmp_path)
+    hog = f"{PY} -c \"x = b'x' * (400 << 20)\""
+
+    async def scenario(client: Client) -> None:
+        r = await server.call(client, "sandbox_create", {"quotas": {"memory_bytes": 96 << 20}})
+        sid = tool_answer(r)["sandbox_id"]
+        r = await server.call(client, "sandbox_exec", {"sandbox_id": sid, "command": "echo ok"})
+        assert tool_answer(r)["stdout"] == "ok\n"
+        r = await server.call(client, "sandbox_exec", {"sandbox_id": sid, "command": hog})
+        text = error_text(r)
+        assert text.startswith("sandbox quota exceeded: MEMORY_EXCEEDED"), text
+        assert "the sandbox destroyed" in text
+        assert tool_answer(r)["exit_code"] == 137
+        r = await server.call(client, "sandbox_exec", {"sandbox_id": sid, "command": "echo x"})
+        assert error_text(r) == f"no such sandbox: '{sid}' (terminated for MEMORY_EXCEEDED)"
+        r = await server.call(client, "sandbox_destroy", {"sandbox_id": sid})
+        assert error_text(r) == f"no such sandbox: '{sid}' (terminated for MEMORY_EXCEEDED)"
 
     server.run(scenario)
     server.assert_nothing_left()
@@ -268,7 +302,7 @@ def test_a_multi_step_session_then_stdin_eof_destroys_everything(tmp_path: Path)
     async def scenario(client: Client) -> None:
         r = await server.call(client, "sandbox_create", {"quotas": {"memory_bytes": 512 << 20}})
         assert not r.is_error, r
-        created = r.structured_content
+        created = tool_answer(r)
         assert created is not None
         sid = created["sandbox_id"]
         if not caps()["bwrap"]:  # a host without it runs the session with fewer layers
@@ -276,20 +310,20 @@ def test_a_multi_step_session_then_stdin_eof_destroys_everything(tmp_path: Path)
         r = await server.call(
             client, "sandbox_exec", {"sandbox_id": sid, "command": "echo step one > notes.txt; pwd"}
         )
-        assert r.structured_content is not None
-        assert r.structured_content["stdout"] == created["workspace"] + "\n"
+        assert tool_answer(r) is not None
+        assert tool_answer(r)["stdout"] == created["workspace"] + "\n"
         r = await server.call(
             client,
             "sandbox_exec",
             {"sandbox_id": sid, "command": "echo two >> notes.txt; cat notes.txt"},
         )
-        assert r.structured_content is not None
-        assert r.structured_content["stdout"] == "step one\ntwo\n"
+        assert tool_answer(r) is not None
+        assert tool_answer(r)["stdout"] == "step one\ntwo\n"
         assert Path(created["workspace"]).is_dir()
         # A second session left open and a call still running when the client goes away.
         r = await server.call(client, "sandbox_create", {})
-        assert r.structured_content is not None
-        other = r.structured_content["sandbox_id"]
+        assert tool_answer(r) is not None
+        other = tool_answer(r)["sandbox_id"]
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(
@@ -382,9 +416,9 @@ def test_a_forgotten_session_is_reaped(tmp_path: Path) -> None:
 
     async def scenario(client: Client) -> None:
         r = await server.call(client, "sandbox_create", {})
-        assert r.structured_content is not None
-        sid = r.structured_content["sandbox_id"]
-        workspace = Path(r.structured_content["workspace"])
+        assert tool_answer(r) is not None
+        sid = tool_answer(r)["sandbox_id"]
+        workspace = Path(tool_answer(r)["workspace"])
         with anyio.fail_after(30):
             while workspace.exists():
                 await anyio.sleep(0.1)
@@ -429,8 +463,8 @@ def test_streamable_http(tmp_path: Path) -> None:
                     r = await server.call(
                         client, "run_shell_monitored", {"command": "echo over http"}
                     )
-                    assert r.structured_content is not None
-                    assert r.structured_content["stdout"] == "over http\n"
+                    assert tool_answer(r) is not None
+                    assert tool_answer(r)["stdout"] == "over http\n"
                     r = await server.call(client, "sandbox_create", {})
                     assert not r.is_error
 
@@ -444,4 +478,52 @@ def test_streamable_http(tmp_path: Path) -> None:
             proc.wait()
         if proc.stderr is not None:
             proc.stderr.close()
+    server.assert_nothing_left()
+
+
+def test_files_of_a_session_sandbox(tmp_path: Path) -> None:
+    """Write, run, read back (text and bytes), list; paths out of the workspace refused."""
+    server = Server(tmp_path)
+
+    async def scenario(client: Client) -> None:
+        sid = tool_answer(await server.call(client, "sandbox_create", {}))["sandbox_id"]
+        script = "#!/bin/sh\nprintf '\\377\\000' > bytes.bin; echo ran > out.txt\n"
+        w = await server.call(
+            client,
+            "sandbox_write_file",
+            {"sandbox_id": sid, "path": "bin/run.sh", "content": script, "executable": True},
+        )
+        assert tool_answer(w) == {
+            "sandbox_id": sid,
+            "path": "bin/run.sh",
+            "size_bytes": len(script),
+        }
+        r = await server.call(client, "sandbox_exec", {"sandbox_id": sid, "command": "bin/run.sh"})
+        assert tool_answer(r)["exit_code"] == 0
+        text = tool_answer(
+            await server.call(client, "sandbox_read_file", {"sandbox_id": sid, "path": "out.txt"})
+        )
+        assert (text["content"], text["encoding"]) == ("ran\n", "text")
+        raw = tool_answer(
+            await server.call(client, "sandbox_read_file", {"sandbox_id": sid, "path": "bytes.bin"})
+        )
+        assert raw["encoding"] == "base64" and raw["content"] == "/wA="  # never mangled
+        listing = tool_answer(await server.call(client, "sandbox_list_files", {"sandbox_id": sid}))
+        assert {e["name"] for e in listing["entries"]} == {"bin", "bytes.bin", "out.txt"}
+        await server.call(
+            client, "sandbox_exec", {"sandbox_id": sid, "command": "ln -s /etc/passwd pw"}
+        )
+        for path, expect in (
+            ("pw", "outside the workspace"),
+            ("../etc/passwd", "inside the workspace"),
+            ("/etc/passwd", "inside the workspace"),
+        ):
+            bad = await server.call(client, "sandbox_read_file", {"sandbox_id": sid, "path": path})
+            assert expect in error_text(bad), path
+        nobody = await server.call(
+            client, "sandbox_read_file", {"sandbox_id": "sb-nobody", "path": "out.txt"}
+        )
+        assert "sb-nobody" in error_text(nobody)
+
+    server.run(scenario)
     server.assert_nothing_left()

@@ -25,7 +25,7 @@ from devs_sandbox.errors import (
     SandboxTimeoutError,
 )
 from devs_sandbox.store import ViolationStore
-from tests.integration.helpers import LAYERS, config, manager, processes_with, wait_for
+from tests.integration.helpers import LAUNCHERS, LAYERS, config, manager, processes_with, wait_for
 
 pytestmark = pytest.mark.integration
 PY = "/usr/bin/python3" if Path("/usr/bin/python3").exists() else "python3"
@@ -60,11 +60,22 @@ def test_full_isolation_is_in_effect_as_root() -> None:
     assert any(m.startswith("cgroup-v") for m in out.isolation)
 
 
-def test_exit_status_and_signals_pass_through() -> None:
+@pytest.mark.parametrize(
+    "iso",
+    [
+        pytest.param({}, id="default"),
+        pytest.param(LAUNCHERS["bwrap"], id="bwrap", marks=pytest.mark.bwrap),
+        pytest.param(LAUNCHERS["unshare"], id="unshare", marks=pytest.mark.unshare),
+    ],
+)
+def test_exit_status_and_signals_pass_through(iso: dict[str, Any]) -> None:
     m = manager()
-    assert m.run_in_sandbox("exit 3", config()).exit_code == 3
-    killed = m.run_in_sandbox("kill -TERM $$", config())
+    assert m.run_in_sandbox("exit 3", config(isolation=iso)).exit_code == 3
+    # The command is never the pid namespace's init, which would ignore its own SIGTERM.
+    killed = m.run_in_sandbox("kill -TERM $$", config(isolation=iso))
     assert killed.exit_code == 128 + 15 and killed.result.signal == 15
+    missing = m.run_in_sandbox(["devs-no-such-command"], config(isolation=iso))
+    assert missing.exit_code != 0
 
 
 def test_host_environment_is_not_inherited(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -164,7 +175,7 @@ def test_idle_timeout_kills_a_silent_run() -> None:
 @pytest.mark.cgroups
 def test_memory_cap_is_enforced_by_the_kernel_and_recorded(db_path: Path) -> None:
     with pytest.raises(QuotaExceededError) as info:
-        manager(db_path).run_in_sandbox(
+        manager(db=db_path).run_in_sandbox(
             [PY, "-c", "b = bytearray(256 * 1024 * 1024); print('survived')"],
             config(quotas={"memory_bytes": 64 << 20}),
         )
@@ -193,7 +204,7 @@ def test_process_cap_is_enforced_by_the_kernel_and_recorded(db_path: Path) -> No
     )
     start = time.monotonic()
     with pytest.raises(QuotaExceededError) as info:
-        manager(db_path).run_in_sandbox(
+        manager(db=db_path).run_in_sandbox(
             [PY, "-c", bomb], config(quotas={"process_count_limit": 64, "poll_interval_ms": 200})
         )
     assert time.monotonic() - start < 20
@@ -404,7 +415,7 @@ def test_workspace_tmpfs_holds_the_file_count_and_records_it(db_path: Path) -> N
         "i=0; while [ $i -lt 200 ]; do touch f$i 2>/dev/null || break; i=$((i+1)); done; echo $i"
     )
     with pytest.raises(QuotaExceededError) as info:
-        manager(db_path).run_in_sandbox(
+        manager(db=db_path).run_in_sandbox(
             ["sh", "-c", script],
             config(quotas={"file_count_limit": 50, "poll_interval_ms": 60_000}),
         )
@@ -421,7 +432,7 @@ def test_workspace_tmpfs_holds_the_disk_quota(db_path: Path) -> None:
     from devs_sandbox.errors import DiskQuotaExceededError
 
     with pytest.raises(DiskQuotaExceededError) as info:
-        manager(db_path).run_in_sandbox(
+        manager(db=db_path).run_in_sandbox(
             "head -c 5000000 /dev/zero > big; echo rc=$?; ls -l big",
             config(quotas={"disk_bytes": 2 << 20, "poll_interval_ms": 60_000}),
         )
@@ -432,7 +443,7 @@ def test_workspace_tmpfs_holds_the_disk_quota(db_path: Path) -> None:
 
 def test_rlimit_fsize_stops_a_huge_file_and_is_recorded(db_path: Path) -> None:
     with pytest.raises(QuotaExceededError) as info:
-        manager(db_path).run_in_sandbox(
+        manager(db=db_path).run_in_sandbox(
             "head -c 50000000 /dev/zero > big; echo after",
             config(quotas={"max_file_size_bytes": 10_000_000, "poll_interval_ms": 60_000}),
         )
@@ -524,7 +535,7 @@ def test_a_failed_workspace_removal_never_touches_the_shared_parent(tmp_path: Pa
     which broke every sandbox (and every other user of /tmp) on the host."""
     import stat
 
-    from devs_sandbox.drivers.process import _remove_tree
+    from devs_sandbox.drivers.linux import remove_tree as _remove_tree
     from devs_sandbox.isolation import mounts
 
     tmp_path.chmod(0o1777)
@@ -612,8 +623,32 @@ def test_cgroup_v2_caps_memory_and_processes(db_path: Path) -> None:
     out = manager().run_in_sandbox(["true"], config())
     assert "cgroup-v2" in out.isolation
     with pytest.raises(QuotaExceededError) as info:
-        manager(db_path).run_in_sandbox(
+        manager(db=db_path).run_in_sandbox(
             [PY, "-c", "b = bytearray(256 * 1024 * 1024); print('survived')"],
             config(quotas={"memory_bytes": 64 << 20}),
         )
     assert info.value.violation.type == "MEMORY_EXCEEDED"
+
+
+@pytest.mark.parametrize(
+    ("argv", "status", "words"),
+    [
+        (["no-such-command-xyz"], 127, "No such file or directory"),
+        (["/etc/passwd"], 126, "Permission denied"),
+        (["./missing.sh"], 127, "No such file or directory"),
+    ],
+)
+def test_a_command_that_cannot_run_exits_126_or_127_as_in_a_shell(
+    argv: list[str], status: int, words: str
+) -> None:
+    """As timeout(1) and docker run report it, at every isolation level (bwrap's own
+    'execvp' failure is exit 1: translated; the unshare launcher and the shim do it)."""
+    out = manager().run_in_sandbox(argv, config())
+    assert out.exit_code == status, out.result.stderr.text
+    assert words in out.result.stderr.text
+
+
+def test_a_task_that_exits_1_is_not_taken_for_a_missing_command() -> None:
+    script = "echo 'sh: 1: nope: not found' >&2; exit 1"
+    out = manager().run_in_sandbox(["sh", "-c", script], config())
+    assert out.exit_code == 1

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from devs_sandbox.lifecycle import SandboxLifecycleManager
 from devs_sandbox.security.session_keys import session_key_manager
 from tests.conftest import caps, run_cli
+from tests.helpers import manager as new_manager
 from tests.integration.helpers import config, wait_for
 
 pytestmark = pytest.mark.integration
@@ -90,9 +90,7 @@ def test_host_credentials_never_reach_the_sandbox(
     from devs_sandbox.config import DevsConfig, EnvironmentConfig
 
     # MY_VAR is explicitly allowed by name: the value rule (ghp_...) must still win.
-    manager = SandboxLifecycleManager(
-        config=DevsConfig(environment=EnvironmentConfig(extra_allow=("MY_VAR",))), store=None
-    )
+    manager = new_manager(config=DevsConfig(environment=EnvironmentConfig(extra_allow=("MY_VAR",))))
     user_token = "user-" + pysecrets.token_hex(16)
     seen_key: list[str] = []
 
@@ -122,7 +120,7 @@ def test_host_credentials_never_reach_the_sandbox(
 
 @pytest.mark.parametrize("isolation", _levels())
 def test_no_host_process_exposes_a_secret_while_the_task_runs(isolation: dict[str, Any]) -> None:
-    manager = SandboxLifecycleManager(store=None)
+    manager = new_manager()
     user_token = "tok-" + pysecrets.token_hex(20)
     found: dict[str, Any] = {}
 
@@ -169,7 +167,7 @@ def test_no_host_process_exposes_a_secret_while_the_task_runs(isolation: dict[st
 
 
 def test_secret_files_are_gone_after_the_run() -> None:
-    manager = SandboxLifecycleManager(store=None)
+    manager = new_manager()
     out = manager.run_in_sandbox(
         ["sh", "-c", 'echo "$DEVS_SESSION_KEY_FILE"; ls -la "$(dirname "$DEVS_SESSION_KEY_FILE")"'],
         config(isolation={"namespaces": False, "allow_weaker_isolation": True}),
@@ -180,7 +178,7 @@ def test_secret_files_are_gone_after_the_run() -> None:
 
 
 def test_debug_logs_of_a_run_hold_no_secret(caplog: pytest.LogCaptureFixture) -> None:
-    manager = SandboxLifecycleManager(store=None)
+    manager = new_manager()
     user_token = "dbg-" + pysecrets.token_hex(16)
     keys: list[bytes] = []
     manager.bus.on(

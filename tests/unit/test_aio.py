@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from devs_sandbox.aio import run_blocking
+from devs_sandbox.lifecycle.aio import run_blocking
 
 pytestmark = pytest.mark.unit
 

@@ -11,11 +11,11 @@ from devs_sandbox.config import (
     SCHEMA_FILE_NAME,
     DevsConfig,
     SandboxLifecycleConfig,
-    load_config,
     override,
     parse_config,
     render_schema,
 )
+from devs_sandbox.config_trust import load_config
 from devs_sandbox.errors import ConfigError
 
 pytestmark = pytest.mark.unit

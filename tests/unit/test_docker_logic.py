@@ -11,8 +11,8 @@ import pytest
 from devs_sandbox.config import SandboxLifecycleConfig, override
 from devs_sandbox.drivers.docker import (
     MANDATORY_HOST_CONFIG,
-    _Demux,
-    _Trailer,
+    Demux,
+    Trailer,
     build_host_config,
     launcher_request,
     validate_host_config,
@@ -141,7 +141,7 @@ def test_launcher_request_is_one_line_whatever_the_arguments() -> None:
 
 
 def test_trailer_is_found_across_chunks_and_stripped() -> None:
-    t = _Trailer("abc")
+    t = Trailer("abc")
     whole = b"hello\n\0devs-exit:abc:042\0late"
     out = b"".join(t.feed(whole[i : i + 3]) for i in range(0, len(whole), 3))
     assert out == b"hello\n" and t.done and t.status == 42
@@ -149,7 +149,7 @@ def test_trailer_is_found_across_chunks_and_stripped() -> None:
 
 
 def test_trailer_holds_back_only_a_possible_prefix() -> None:
-    t = _Trailer("abc")
+    t = Trailer("abc")
     assert t.feed(b"plain text") == b"plain text"  # nothing held: no NUL
     assert t.feed(b"x\0dev") == b"x"
     assert t.feed(b"il") == b"\0devil"  # not the trailer after all
@@ -159,13 +159,13 @@ def test_trailer_holds_back_only_a_possible_prefix() -> None:
 
 
 def test_unfinished_trailer_is_flushed_as_output() -> None:
-    t = _Trailer("abc")
+    t = Trailer("abc")
     assert t.feed(b"out\0devs-exit:abc:0") == b"out"
     assert t.flush() == b"\0devs-exit:abc:0" and not t.done
 
 
 def test_demux_splits_frames_across_reads() -> None:
-    d = _Demux()
+    d = Demux()
     frame = bytes([1, 0, 0, 0]) + (5).to_bytes(4, "big") + b"hello"
     frame += bytes([2, 0, 0, 0]) + (3).to_bytes(4, "big") + b"err"
     got = [f for i in range(len(frame)) for f in d.feed(frame[i : i + 1])]

@@ -10,10 +10,10 @@ import pytest
 
 from devs_sandbox.config import QuotaConfig
 from devs_sandbox.events import EventBus, SandboxEvents
+from devs_sandbox.lifecycle.watchdog import ResourceDrainDetector
 from devs_sandbox.models import DetectionRule, SandboxContext, SandboxMetrics, ViolationType
-from devs_sandbox.monitor.drain import (
+from devs_sandbox.monitors.drain import (
     QuotaViolation,
-    ResourceDrainDetector,
     check_filesystem_quota,
     check_growth,
     check_process_quota,
@@ -134,7 +134,7 @@ def procs(n: int) -> SandboxMetrics:
 
 def test_file_growth_of_2000_per_tick_is_caught_by_the_third_tick() -> None:
     det, clock, src, _events = setup([files(2000 * k) for k in range(1, 10)])
-    det.start_polling("sb-001", interval_ms=2000)
+    det.start_polling("sb-001", interval_s=2.0)
     clock.advance(2.0)
     clock.advance(2.0)
     assert src.stops == 0
@@ -152,7 +152,7 @@ def test_threshold_alone_catches_it_later_when_growth_is_off() -> None:
     det, clock, src, _ = setup(
         [files(2000 * k) for k in range(1, 10)], QuotaConfig(growth_lookahead_ticks=0)
     )
-    det.start_polling("sb-001", interval_ms=2000)
+    det.start_polling("sb-001", interval_s=2.0)
     for _ in range(5):
         clock.advance(2.0)
     assert src.stops == 0  # 10,000 is at the limit, not over
@@ -163,7 +163,7 @@ def test_threshold_alone_catches_it_later_when_growth_is_off() -> None:
 
 def test_process_count_doubling_is_caught_at_the_first_tick_above_512() -> None:
     det, clock, src, _ = setup([procs(64 * 2**k) for k in range(8)])
-    det.start_polling("sb-001", interval_ms=2000)
+    det.start_polling("sb-001", interval_s=2.0)
     for tick, count in enumerate([64, 128, 256, 512], start=1):
         clock.advance(2.0)
         assert src.stops == 0, f"stopped early at tick {tick} ({count})"
@@ -251,7 +251,7 @@ def test_kernel_rules_report_what_the_kernel_refused() -> None:
 def test_growth_rule_for_processes_when_enabled() -> None:
     q = QuotaConfig(growth_metrics=("fileCount", "processCount"))
     det, clock, _src, _ = setup([procs(64 * 2**k) for k in range(8)], q)
-    det.start_polling("sb-001", interval_ms=1000)
+    det.start_polling("sb-001", interval_s=1.0)
     for _ in range(4):
         clock.advance(1.0)
     v = det.violation_for("sb-001")
@@ -261,7 +261,7 @@ def test_growth_rule_for_processes_when_enabled() -> None:
 def test_stop_polling_and_unknown_ids() -> None:
     det, clock, src, _ = setup([files(1)])
     det.stop_polling("never")
-    det.start_polling("sb-001", interval_ms=100)
+    det.start_polling("sb-001", interval_s=0.1)
     clock.advance(0.35)
     assert src.i == 3
     det.stop_polling("sb-001")
@@ -271,7 +271,7 @@ def test_stop_polling_and_unknown_ids() -> None:
     with pytest.raises(KeyError):
         det.start_polling("unknown")
     with pytest.raises(ValueError):
-        det.start_polling("sb-001", interval_ms=0)
+        det.start_polling("sb-001", interval_s=0.0)
     det.forget("sb-001")
     assert det.poll_once("sb-001") is None
 
@@ -289,7 +289,7 @@ def test_a_failing_sample_keeps_polling() -> None:
     det = ResourceDrainDetector(bus=bus, scheduler=clock)
     src = Flaky([])
     det.register(ctx(), QuotaConfig(), src)
-    det.start_polling("sb-001", interval_ms=100)
+    det.start_polling("sb-001", interval_s=0.1)
     clock.advance(0.25)
     assert src.i == 2 and det.is_polling("sb-001")
 
@@ -303,7 +303,7 @@ def test_a_vanished_sandbox_stops_its_poller() -> None:
 
     det = ResourceDrainDetector(bus=EventBus(), scheduler=(clock := FakeScheduler()))
     det.register(ctx(), QuotaConfig(), Gone([]))
-    det.start_polling("sb-001", interval_ms=100)
+    det.start_polling("sb-001", interval_s=0.1)
     clock.advance(1)
     assert not det.is_polling("sb-001")
 

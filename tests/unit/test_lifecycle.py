@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from devs_sandbox.config import SandboxLifecycleConfig, override
+from devs_sandbox.config import SandboxLifecycleConfig
 from devs_sandbox.drivers.fake import FakeDriver, FakeSandbox, killed_result, ok_result
 from devs_sandbox.errors import (
     ProvisionError,
@@ -22,20 +22,15 @@ from devs_sandbox.errors import (
     SandboxTimeoutError,
 )
 from devs_sandbox.events import SandboxEvents
-from devs_sandbox.lifecycle import SandboxLifecycleManager
 from devs_sandbox.models import ExecResult, SandboxMetrics
 from devs_sandbox.store import ViolationStore
+from tests.helpers import config, manager
 
 pytestmark = pytest.mark.unit
 
 
-def manager(driver: FakeDriver, db: Path | None = None) -> SandboxLifecycleManager:
-    store = ViolationStore(db) if db is not None else None
-    return SandboxLifecycleManager(driver, store=store)
-
-
 def cfg(**kw: Any) -> SandboxLifecycleConfig:
-    return override(SandboxLifecycleConfig(driver="fake"), **kw)
+    return config(driver="fake", **kw)
 
 
 def test_success_returns_outcome_and_destroys() -> None:
@@ -128,7 +123,7 @@ def test_total_timeout_kills_raises_and_destroys() -> None:
         m.run_in_sandbox(["sleep"], cfg(timeout_ms=100))
     assert time.monotonic() - start < 10
     sid = driver.provisioned[0]
-    assert events == [{"sandbox_id": sid, "timeout_ms": 100}]
+    assert events == [{"sandbox_id": sid, "timeout_s": 0.1}]
     assert info.value.outcome is not None and info.value.outcome.exit_code == 124
     assert isinstance(info.value, TimeoutError)
     assert driver.destroyed == [sid]
@@ -151,7 +146,7 @@ def test_preflight_budget_is_separate_and_reported_as_preflight() -> None:
 def test_violation_raises_records_and_destroys(db_path: Path) -> None:
     metrics = [SandboxMetrics("x", 0.0, process_count=1, pids_limit_hits=5)]
     driver = FakeDriver(exec_handler=blocking_until_stopped, metrics=metrics)
-    m = manager(driver, db_path)
+    m = manager(driver, db=db_path)
     with pytest.raises(QuotaExceededError) as info:
         m.run_in_sandbox(["bomb"], cfg(quotas={"poll_interval_ms": 20, "process_count_limit": 64}))
     v = info.value.violation
@@ -164,7 +159,7 @@ def test_violation_raises_records_and_destroys(db_path: Path) -> None:
 def test_violation_found_after_the_task_ended_is_still_recorded(db_path: Path) -> None:
     metrics = [SandboxMetrics("x", 0.0, oom_kills=1, peak_memory_bytes=70 << 20)]
     driver = FakeDriver(exec_handler=lambda sb, c: killed_result(), metrics=metrics)
-    m = manager(driver, db_path)
+    m = manager(driver, db=db_path)
     with pytest.raises(QuotaExceededError) as info:
         m.run_in_sandbox(["hog"], cfg(quotas={"memory_bytes": 64 << 20}))
     assert info.value.violation.type == "MEMORY_EXCEEDED"

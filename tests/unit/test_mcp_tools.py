@@ -6,6 +6,7 @@ tests/integration/test_mcp_stdio.py."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,14 +23,21 @@ from devs_sandbox.config import DevsConfig, SandboxLifecycleConfig, parse_config
 from devs_sandbox.drivers.fake import FakeDriver, FakeSandbox, killed_result, ok_result
 from devs_sandbox.errors import ConfigError
 from devs_sandbox.lifecycle import SandboxLifecycleManager
-from devs_sandbox.mcp_server import DevsMcpServer
-from devs_sandbox.models import DetectionRule, ExecResult, TreeSample, Violation, ViolationType
-from devs_sandbox.monitor.shell import ScriptedProcessStats
+from devs_sandbox.lifecycle.sampling import ScriptedProcessStats
+from devs_sandbox.lifecycle.timeout import SandboxTimeoutEnforcer
+from devs_sandbox.mcp_server import LOCAL_CALLER, Caller, DevsMcpServer
+from devs_sandbox.models import (
+    DetectionRule,
+    ExecResult,
+    SandboxMetrics,
+    TreeSample,
+    Violation,
+    ViolationType,
+)
 from devs_sandbox.scheduler import FakeScheduler
-from devs_sandbox.sessions import SandboxSessions
 from devs_sandbox.store import ViolationStore
-from devs_sandbox.timeout import SandboxTimeoutEnforcer
-from tests.contracts import SHELL_OUTPUT_KEYS
+from devs_sandbox.tools.sessions import SandboxSessions
+from tests.contracts import SHELL_OUTPUT_KEYS, tool_answer
 
 pytestmark = [pytest.mark.unit, pytest.mark.mcp]
 PID = 31337
@@ -54,10 +62,11 @@ class Harness:
         config: DevsConfig | None = None,
         script: Sequence[TreeSample | None] = (PRIME,),
         seconds: int = 3,
+        driver: type[PidDriver] | None = None,
     ) -> None:
         self.sched = FakeScheduler()
         self.script = list(script)
-        self.driver = PidDriver(exec_handler=self._exec)
+        self.driver = (driver or PidDriver)(exec_handler=self._exec)
         self.seconds = seconds
         self.config = config or DevsConfig()
         self.manager = SandboxLifecycleManager(
@@ -111,6 +120,14 @@ class Harness:
             self.sessions.close()
             self.manager.shutdown()
 
+    def run_calls(self, scenario: Callable[[], Awaitable[None]]) -> None:
+        """Call ``self.app.call`` directly, as callers of the tests' choosing."""
+        try:
+            anyio.run(scenario)
+        finally:
+            self.sessions.close()
+            self.manager.shutdown()
+
 
 def error_text(r: CallToolResult) -> str:
     assert r.is_error, r
@@ -131,7 +148,13 @@ def test_tools_and_their_schemas(tmp_path: Path) -> None:
             "sandbox_exec",
             "sandbox_destroy",
             "sandbox_violations",
+            "sandbox_read_file",
+            "sandbox_write_file",
+            "sandbox_list_files",
         }
+        for name in ("sandbox_read_file", "sandbox_write_file", "sandbox_list_files"):
+            assert tools[name].input_schema["additionalProperties"] is False
+            assert tools[name].output_schema is not None  # small answers: structured
         shell = tools["run_shell_monitored"].input_schema
         assert shell["type"] == "object" and shell["required"] == ["command"]
         assert shell["additionalProperties"] is False
@@ -142,6 +165,8 @@ def test_tools_and_their_schemas(tmp_path: Path) -> None:
             "rss_limit_bytes",
             "cpu_sustained_ms",
             "poll_interval_ms",
+            "max_output_bytes",
+            "output_encoding",
         }
         assert props["command"]["type"] == "string"
         # Defaults come from devs.config.json's mcp section.
@@ -150,8 +175,15 @@ def test_tools_and_their_schemas(tmp_path: Path) -> None:
         assert props["poll_interval_ms"]["default"] == 1_000
         assert props["timeout_s"]["default"] == 30
         assert props["rss_limit_bytes"]["minimum"] == 1 << 20
-        out = tools["run_shell_monitored"].output_schema
-        assert out is not None and set(out["required"]) == OUTPUT_KEYS
+        # The run tools answer in one JSON text block (the output once), so they declare no
+        # output schema; the small answers declare theirs.
+        assert props["max_output_bytes"]["default"] == 64 << 10
+        assert props["max_output_bytes"]["maximum"] == 1 << 20  # sandbox.maxOutputBytes
+        assert props["output_encoding"]["enum"] == ["text", "base64"]
+        assert tools["run_shell_monitored"].output_schema is None
+        assert tools["sandbox_exec"].output_schema is None
+        for name in ("sandbox_create", "sandbox_destroy", "sandbox_violations"):
+            assert tools[name].output_schema is not None, name
         exec_props = tools["sandbox_exec"].input_schema["properties"]
         assert set(exec_props) == {*props, "sandbox_id"}
         for tool in tools.values():  # written out in full: no client has to resolve $ref
@@ -168,16 +200,21 @@ def test_a_normal_call_returns_the_structured_result(tmp_path: Path) -> None:
 
     async def scenario(client: Client) -> None:
         r = await client.call_tool("run_shell_monitored", {"command": "echo hello"})
-        assert not r.is_error
-        assert r.structured_content == {
+        assert not r.is_error and r.structured_content is None
+        assert tool_answer(r) == {
             "exit_code": 0,
             "stdout": "hello\n",
             "stderr": "",
             "stdout_truncated": False,
             "stderr_truncated": False,
+            "stdout_bytes": 6,
+            "stderr_bytes": 0,
+            "stdout_binary": False,
+            "stderr_binary": False,
+            "encoding": "text",
             "duration_s": 0.0,
         }
-        assert json.loads(r.content[0].text) == r.structured_content  # type: ignore[union-attr]
+        assert set(tool_answer(r)) == OUTPUT_KEYS
 
     h.run(scenario)
     assert len(h.driver.destroyed) == 1 and h.driver.sandboxes == {}
@@ -193,7 +230,7 @@ def test_a_kill_is_a_tool_error_carrying_pid_reason_value_limit(tmp_path: Path) 
         text = error_text(r)
         assert text.startswith(f"Process {PID} exceeded rss limit: {100 << 20} > {50 << 20}")
         assert "rss_limit_bytes" in text
-        data = r.structured_content
+        data = tool_answer(r)
         assert data is not None
         assert {k: data[k] for k in ("pid", "reason", "value", "limit")} == {
             "pid": PID,
@@ -203,8 +240,8 @@ def test_a_kill_is_a_tool_error_carrying_pid_reason_value_limit(tmp_path: Path) 
         }
         assert data["exit_code"] == 137  # what the command printed before, too
         rows = await client.call_tool("sandbox_violations", {})
-        assert rows.structured_content is not None
-        (row,) = rows.structured_content["violations"]
+        assert tool_answer(rows) is not None
+        (row,) = tool_answer(rows)["violations"]
         assert row["violation_type"] == "MEMORY_EXCEEDED" and row["observed_value"] == 100 << 20
 
     h.run(scenario)
@@ -217,8 +254,10 @@ def test_a_cpu_kill(tmp_path: Path) -> None:
         r = await client.call_tool(
             "run_shell_monitored", {"command": "spin", "cpu_sustained_ms": 2_000}
         )
-        assert error_text(r).startswith(f"Process {PID} exceeded cpu limit: 199.0 > 97.0")
-        assert r.structured_content is not None and r.structured_content["reason"] == "cpu"
+        assert error_text(r).startswith(
+            f"Process {PID} exceeded cpu limit: 199.0 > 98.0"
+        )  # the 2 s window's threshold
+        assert tool_answer(r) is not None and tool_answer(r)["reason"] == "cpu"
 
     h.run(scenario)
 
@@ -229,9 +268,9 @@ def test_a_timeout_is_a_tool_error_with_the_output(tmp_path: Path) -> None:
     async def scenario(client: Client) -> None:
         r = await client.call_tool("run_shell_monitored", {"command": "sleep 100", "timeout_s": 5})
         assert "timed out after 5 s" in error_text(r) and "timeout_s" in error_text(r)
-        assert r.structured_content is not None
-        assert r.structured_content["error"] == "timeout"
-        assert r.structured_content["exit_code"] == 137
+        assert tool_answer(r) is not None
+        assert tool_answer(r)["error"] == "timeout"
+        assert tool_answer(r)["exit_code"] == 137
 
     h.run(scenario)
 
@@ -265,8 +304,8 @@ def test_bad_input_is_a_clear_tool_error(
         assert text.startswith("invalid arguments for run_shell_monitored: ")
         assert expect in text
         assert "Traceback" not in text and "errors.pydantic.dev" not in text
-        assert r.structured_content is not None
-        assert r.structured_content["error"] == "invalid_arguments"
+        assert tool_answer(r) is not None
+        assert tool_answer(r)["error"] == "invalid_arguments"
         # The server is still there.
         ok = await client.call_tool("run_shell_monitored", {"command": "echo still here"})
         assert not ok.is_error
@@ -297,26 +336,24 @@ def test_a_multi_step_session(tmp_path: Path) -> None:
 
     async def scenario(client: Client) -> None:
         r = await client.call_tool("sandbox_create", {})
-        assert not r.is_error and r.structured_content is not None
-        sid = r.structured_content["sandbox_id"]
-        assert r.structured_content["expires_in_s"] == 3_600 and r.structured_content["isolation"]
+        assert not r.is_error and tool_answer(r) is not None
+        sid = tool_answer(r)["sandbox_id"]
+        assert tool_answer(r)["expires_in_s"] == 3_600 and tool_answer(r)["isolation"]
         for word in ("one", "two"):
             r = await client.call_tool(
                 "sandbox_exec", {"sandbox_id": sid, "command": f"echo {word}"}
             )
-            assert (
-                r.structured_content is not None and r.structured_content["stdout"] == f"{word}\n"
-            )
+            assert tool_answer(r) is not None and tool_answer(r)["stdout"] == f"{word}\n"
         assert h.driver.sandboxes[sid].commands == [
             ["/bin/sh", "-c", "echo one"],
             ["/bin/sh", "-c", "echo two"],
         ]
         r = await client.call_tool("sandbox_destroy", {"sandbox_id": sid})
-        assert r.structured_content == {"sandbox_id": sid, "destroyed": True}
+        assert tool_answer(r) == {"sandbox_id": sid, "destroyed": True}
         again = await client.call_tool("sandbox_destroy", {"sandbox_id": sid})
         assert f"no such sandbox: '{sid}' (destroyed by sandbox_destroy)" in error_text(again)
-        assert again.structured_content is not None
-        assert again.structured_content["error"] == "sandbox_not_found"
+        assert tool_answer(again) is not None
+        assert tool_answer(again)["error"] == "sandbox_not_found"
         gone = await client.call_tool("sandbox_exec", {"sandbox_id": sid, "command": "echo x"})
         assert "no such sandbox" in error_text(gone)
         unknown = await client.call_tool("sandbox_exec", {"sandbox_id": "sb-nope", "command": "ls"})
@@ -333,14 +370,14 @@ def test_a_kill_in_a_session_keeps_the_session(tmp_path: Path) -> None:
 
     async def scenario(client: Client) -> None:
         r = await client.call_tool("sandbox_create", {})
-        assert r.structured_content is not None
-        sid = r.structured_content["sandbox_id"]
+        assert tool_answer(r) is not None
+        sid = tool_answer(r)["sandbox_id"]
         r = await client.call_tool(
             "sandbox_exec", {"sandbox_id": sid, "command": "hog", "rss_limit_bytes": 1 << 29}
         )
-        assert r.structured_content is not None and r.structured_content["reason"] == "rss"
+        assert tool_answer(r) is not None and tool_answer(r)["reason"] == "rss"
         r = await client.call_tool("sandbox_exec", {"sandbox_id": sid, "command": "echo alive"})
-        assert r.structured_content is not None and r.structured_content["stdout"] == "alive\n"
+        assert tool_answer(r) is not None and tool_answer(r)["stdout"] == "alive\n"
 
     h.run(scenario)
 
@@ -352,8 +389,8 @@ def test_quotas_may_tighten_never_loosen(tmp_path: Path) -> None:
         r = await client.call_tool(
             "sandbox_create", {"quotas": {"memory_bytes": 256 << 20, "cpu_cores": 0.5}}
         )
-        assert not r.is_error and r.structured_content is not None
-        sb = h.driver.sandboxes[r.structured_content["sandbox_id"]]
+        assert not r.is_error and tool_answer(r) is not None
+        sb = h.driver.sandboxes[tool_answer(r)["sandbox_id"]]
         assert sb.config.quotas.memory_bytes == 256 << 20 and sb.config.quotas.cpu_cores == 0.5
         r = await client.call_tool("sandbox_create", {"quotas": {"memory_bytes": 64 << 30}})
         assert "above this server's limit" in error_text(r)
@@ -374,8 +411,8 @@ def test_max_sessions_is_a_clear_tool_error(tmp_path: Path) -> None:
         ids = []
         for _ in range(2):
             r = await client.call_tool("sandbox_create", {})
-            assert r.structured_content is not None
-            ids.append(r.structured_content["sandbox_id"])
+            assert tool_answer(r) is not None
+            ids.append(tool_answer(r)["sandbox_id"])
         r = await client.call_tool("sandbox_create", {})
         assert "too many sandboxes alive: 2 (mcp.maxSessions)" in error_text(r)
         r = await client.call_tool("run_shell_monitored", {"command": "echo x"})
@@ -393,14 +430,12 @@ def test_violations_are_listed_newest_first_and_filtered(tmp_path: Path) -> None
         for _ in range(3):
             await client.call_tool("run_shell_monitored", {"command": "hog"})
         rows = await client.call_tool("sandbox_violations", {"limit": 2})
-        assert rows.structured_content is not None
-        got = rows.structured_content["violations"]
+        assert tool_answer(rows) is not None
+        got = tool_answer(rows)["violations"]
         assert len(got) == 2 and got[0]["terminated_at"] >= got[1]["terminated_at"]
         one = await client.call_tool("sandbox_violations", {"sandbox_id": got[1]["sandbox_id"]})
-        assert one.structured_content is not None
-        assert [r["sandbox_id"] for r in one.structured_content["violations"]] == [
-            got[1]["sandbox_id"]
-        ]
+        assert tool_answer(one) is not None
+        assert [r["sandbox_id"] for r in tool_answer(one)["violations"]] == [got[1]["sandbox_id"]]
         bad = await client.call_tool("sandbox_violations", {"limit": 0})
         assert "limit: Input should be greater than or equal to 1" in error_text(bad)
 
@@ -413,7 +448,7 @@ def test_no_store_means_no_rows(tmp_path: Path) -> None:
 
     async def scenario(client: Client) -> None:
         r = await client.call_tool("sandbox_violations", {})
-        assert r.structured_content == {"violations": []}
+        assert tool_answer(r) == {"violations": []}
 
     h.run(scenario)
 
@@ -440,20 +475,20 @@ def test_timeouts_quota_and_preflight_errors(tmp_path: Path) -> None:
         assert "printed nothing for 2 s" in error_text(r)
         assert "sandbox.idleTimeoutMs" in error_text(r)
         r = await client.call_tool("sandbox_create", {})
-        assert r.structured_content is not None
-        sid = r.structured_content["sandbox_id"]
+        assert tool_answer(r) is not None
+        sid = tool_answer(r)["sandbox_id"]
         r = await client.call_tool(
             "sandbox_exec", {"sandbox_id": sid, "command": "slow", "timeout_s": 7}
         )
         assert "timed out after 7 s" in error_text(r)
-        assert r.structured_content is not None and r.structured_content["stdout"] == "partial\n"
+        assert tool_answer(r) is not None and tool_answer(r)["stdout"] == "partial\n"
         v = Violation(sid, ViolationType.PROCESS_COUNT_EXCEEDED, 65, 64, DetectionRule.KERNEL)
         h.manager.detector.enforce_quota(v)
         r = await client.call_tool("sandbox_exec", {"sandbox_id": sid, "command": "echo x"})
         assert "PROCESS_COUNT_EXCEEDED (observed 65, limit 64)" in error_text(r)
         assert "the sandbox destroyed" in error_text(r)
-        assert r.structured_content is not None
-        assert r.structured_content["violation"]["type"] == "PROCESS_COUNT_EXCEEDED"
+        assert tool_answer(r) is not None
+        assert tool_answer(r)["violation"]["type"] == "PROCESS_COUNT_EXCEEDED"
         r = await client.call_tool("sandbox_exec", {"sandbox_id": sid, "command": "echo x"})
         assert "terminated for PROCESS_COUNT_EXCEEDED" in error_text(r)
         r = await client.call_tool("run_shell_monitored", {"command": "a\u0000b"})
@@ -468,14 +503,14 @@ def test_preflight_failures_and_a_closing_server(tmp_path: Path) -> None:
     async def scenario(client: Client) -> None:
         r = await client.call_tool("run_shell_monitored", {"command": "echo x"})
         assert "preflight command exited 1: false" in error_text(r)
-        assert r.structured_content == {"error": "preflight_failed", "command": "false"}
+        assert tool_answer(r) == {"error": "preflight_failed", "command": "false"}
         r = await client.call_tool("sandbox_create", {})
         assert "preflight command exited 1" in error_text(r)
         assert len(h.sessions) == 0  # the half-made session was destroyed
         h.sessions.close()
         r = await client.call_tool("sandbox_create", {})
         assert "shutting down" in error_text(r)
-        assert r.structured_content == {"error": "sandbox_error", "type": "ServerClosingError"}
+        assert tool_answer(r) == {"error": "sandbox_error", "type": "ServerClosingError"}
 
     h.run(scenario)
     assert len(h.driver.destroyed) == 2
@@ -492,5 +527,185 @@ def test_an_agent_cannot_ask_for_more_time_than_the_operator_allows(tmp_path: Pa
             assert tools[name].input_schema["properties"]["timeout_s"]["maximum"] == 60
         r = await client.call_tool("run_shell_monitored", {"command": "echo x", "timeout_s": 61})
         assert "timeout_s: Input should be less than or equal to 60" in error_text(r)
+
+    h.run(scenario)
+
+
+# -- tenancy (the transport side is tests/integration/test_mcp_http.py) -----------------------
+ALICE = Caller("session-alice")
+BOB = Caller("session-bob")
+
+
+def test_a_caller_cannot_reach_another_callers_sandbox_nor_see_its_rows(tmp_path: Path) -> None:
+    h = Harness(tmp_path, script=[PRIME, TreeSample(rss_bytes=1 << 40, cpu_percent=None)])
+
+    async def scenario() -> None:
+        r = await h.app.call("sandbox_create", {}, ALICE)
+        assert tool_answer(r) is not None
+        sid = tool_answer(r)["sandbox_id"]
+        kill = {"sandbox_id": sid, "command": "hog"}
+        assert (await h.app.call("sandbox_exec", kill, ALICE)).is_error  # a row for sid
+        assert (await h.app.call("run_shell_monitored", {"command": "hog"}, ALICE)).is_error
+        never = await h.app.call(
+            "sandbox_exec", {"sandbox_id": "sb-000000000000", "command": "ls"}, BOB
+        )
+        for tool, args in (
+            ("sandbox_exec", {"sandbox_id": sid, "command": "echo stolen"}),
+            ("sandbox_destroy", {"sandbox_id": sid}),
+        ):
+            r = await h.app.call(tool, args, BOB)
+            assert error_text(r) == error_text(never).replace("sb-000000000000", sid)
+            assert tool_answer(r) == {
+                "error": "sandbox_not_found",
+                "sandbox_id": sid,
+                "detail": "",
+            }
+        for args in ({}, {"sandbox_id": sid}):
+            r = await h.app.call("sandbox_violations", args, BOB)
+            assert tool_answer(r) == {"violations": []}
+        assert (await h.app.call("run_shell_monitored", {"command": "hog"}, BOB)).is_error
+
+        async def rows(caller: Caller) -> list[str]:
+            r = await h.app.call("sandbox_violations", {}, caller)
+            assert tool_answer(r) is not None
+            return [v["sandbox_id"] for v in tool_answer(r)["violations"]]
+
+        alices, bobs, everyone = await rows(ALICE), await rows(BOB), await rows(LOCAL_CALLER)
+        assert len(alices) == 2 and sid in alices and len(bobs) == 1
+        assert not set(alices) & set(bobs) and sorted(everyone) == sorted(alices + bobs)
+        # Alice's sandbox is untouched and still hers.
+        r = await h.app.call("sandbox_exec", {"sandbox_id": sid, "command": "echo mine"}, ALICE)
+        assert tool_answer(r) is not None and tool_answer(r)["stdout"] == "mine\n"
+        assert ["/bin/sh", "-c", "echo stolen"] not in h.driver.sandboxes[sid].commands
+        # Her session ends: her sandbox goes, Bob's do not.
+        r = await h.app.call("sandbox_create", {}, BOB)
+        assert tool_answer(r) is not None
+        bobs_sid = tool_answer(r)["sandbox_id"]
+        await h.app._session_ended(ALICE.owner)
+        assert sid in h.driver.destroyed and bobs_sid not in h.driver.destroyed
+        r = await h.app.call("sandbox_create", {}, ALICE)
+        assert tool_answer(r) == {"error": "sandbox_error", "type": "ServerClosingError"}
+
+    h.run_calls(scenario)
+
+
+def test_a_sessionless_caller_may_run_one_shot_commands_only(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    once = Caller("call-1", session=False)
+
+    async def scenario() -> None:
+        r = await h.app.call("run_shell_monitored", {"command": "echo hi"}, once)
+        assert tool_answer(r) is not None and tool_answer(r)["stdout"] == "hi\n"
+        for tool, args in (
+            ("sandbox_create", {}),
+            ("sandbox_exec", {"sandbox_id": "sb-000000000000", "command": "ls"}),
+            ("sandbox_destroy", {"sandbox_id": "sb-000000000000"}),
+            ("sandbox_violations", {}),
+        ):
+            r = await h.app.call(tool, args, once)
+            assert f"{tool} needs an MCP session" in error_text(r), tool
+            assert tool_answer(r) == {"error": "session_required"}
+        assert h.sessions.owned_ids(once.owner) == []  # nothing kept for it
+
+    h.run_calls(scenario)
+    assert len(h.driver.provisioned) == 1
+
+
+def test_max_sessions_per_client_is_a_clear_tool_error(tmp_path: Path) -> None:
+    config = parse_config({"mcp": {"maxSessions": 3, "maxSessionsPerClient": 1}})
+    h = Harness(tmp_path, config=config)
+
+    async def scenario() -> None:
+        assert not (await h.app.call("sandbox_create", {}, ALICE)).is_error
+        r = await h.app.call("sandbox_create", {}, ALICE)
+        assert "too many sandboxes for this client: 1 (mcp.maxSessionsPerClient)" in error_text(r)
+        assert tool_answer(r) == {"error": "too_many_sandboxes", "limit": 1}
+        assert not (await h.app.call("sandbox_create", {}, BOB)).is_error
+
+    h.run_calls(scenario)
+
+
+# -- session semantics (issue 13): a violation is reported by the call that caused it ---------
+def test_a_kernel_oom_kill_is_reported_by_the_call_that_caused_it(tmp_path: Path) -> None:
+    """The kernel OOM-kills the command between two polls: the call that ran it (exit 137)
+    reports the quota and that the sandbox is gone, not the next call (even an echo)."""
+    h = Harness(tmp_path)
+    ran_oom: set[str] = set()
+    fake_exec = h._exec
+
+    def exec_(sb: FakeSandbox, cmd: Sequence[str]) -> ExecResult:
+        if cmd[-1] == "oom":
+            ran_oom.add(sb.ctx.id)
+            return ExecResult(137, ok_result().stdout, ok_result().stderr, 0.5)
+        return fake_exec(sb, cmd)
+
+    h.driver.exec_handler = exec_
+    h.driver._metrics_handler = lambda sb: SandboxMetrics(
+        sb.ctx.id, time.monotonic(), oom_kills=1 if sb.ctx.id in ran_oom else 0
+    )
+
+    async def scenario(client: Client) -> None:
+        sid = tool_answer(await client.call_tool("sandbox_create", {}))["sandbox_id"]
+        ok = await client.call_tool("sandbox_exec", {"sandbox_id": sid, "command": "echo fine"})
+        assert tool_answer(ok)["exit_code"] == 0
+        r = await client.call_tool("sandbox_exec", {"sandbox_id": sid, "command": "oom"})
+        text = error_text(r)
+        assert text.startswith("sandbox quota exceeded: MEMORY_EXCEEDED") and "destroyed" in text
+        assert tool_answer(r)["violation"]["type"] == "MEMORY_EXCEEDED"
+        assert tool_answer(r)["exit_code"] == 137
+        r = await client.call_tool("sandbox_exec", {"sandbox_id": sid, "command": "echo x"})
+        assert error_text(r) == f"no such sandbox: '{sid}' (terminated for MEMORY_EXCEEDED)"
+        r = await client.call_tool("sandbox_destroy", {"sandbox_id": sid})
+        assert error_text(r) == f"no such sandbox: '{sid}' (terminated for MEMORY_EXCEEDED)"
+
+    h.run(scenario)
+    assert h.driver.destroyed == [next(iter(ran_oom))]
+
+
+class StopsWithItsCommand(PidDriver):
+    """As a container whose init dies with the command: a kill takes the sandbox along."""
+
+    def force_stop(self, ctx: Any) -> None:
+        super().force_stop(ctx)
+        with self._lock:
+            self.sandboxes.pop(ctx.id, None)
+
+
+def test_a_kill_that_stops_the_sandbox_says_so_on_that_call_and_after(tmp_path: Path) -> None:
+    hog = TreeSample(rss_bytes=1 << 30, cpu_percent=1.0)
+    h = Harness(tmp_path, script=[PRIME, hog], driver=StopsWithItsCommand)
+
+    async def scenario(client: Client) -> None:
+        sid = tool_answer(await client.call_tool("sandbox_create", {}))["sandbox_id"]
+        r = await client.call_tool(
+            "sandbox_exec", {"sandbox_id": sid, "command": "hog", "rss_limit_bytes": 1 << 29}
+        )
+        text = error_text(r)
+        assert text.startswith(f"Process {PID} exceeded rss limit")
+        why = "stopped when its command was killed for rss (the fake driver's kill reaches"
+        assert f"; the sandbox is gone: {why}" in text
+        assert tool_answer(r)["sandbox_gone"].startswith(why)
+        for tool, args in (
+            ("sandbox_exec", {"sandbox_id": sid, "command": "echo x"}),
+            ("sandbox_destroy", {"sandbox_id": sid}),
+        ):
+            r = await client.call_tool(tool, args)
+            assert error_text(r).startswith(f"no such sandbox: '{sid}' ({why}"), tool
+
+    h.run(scenario)
+
+
+def test_a_sandbox_lost_underneath_is_ended_and_said_so(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+
+    async def scenario(client: Client) -> None:
+        sid = tool_answer(await client.call_tool("sandbox_create", {}))["sandbox_id"]
+        with h.driver._lock:
+            h.driver.sandboxes.pop(sid)  # its container died on its own
+        lost = f"no such sandbox: '{sid}' (lost: the fake driver no longer has it)"
+        r = await client.call_tool("sandbox_exec", {"sandbox_id": sid, "command": "echo x"})
+        assert error_text(r) == lost
+        r = await client.call_tool("sandbox_destroy", {"sandbox_id": sid})
+        assert error_text(r) == lost  # not "destroyed: true"
 
     h.run(scenario)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
 from devs_sandbox.errors import InvalidSandboxIdError, SandboxCommandError
@@ -55,3 +58,13 @@ def test_json_contract_keys() -> None:
     out = SandboxOutcome("s", "process", ("rlimits",), result(0)).to_json()
     assert set(out) >= RUN_JSON_KEYS
     assert set(out["resources"]) == RESOURCE_KEYS
+
+
+def test_every_json_field_is_documented_in_the_readme() -> None:
+    """`run --json` emits nothing the README's --json paragraph does not name."""
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    paragraph = text[text.index("`--json` prints") :].split("\n\n", 1)[0]
+    named = set(re.findall(r"`([a-z_]+)`", paragraph))
+    out = SandboxOutcome("s", "process", ("rlimits",), result(0)).to_json()
+    assert set(out) - named == set()
+    assert set(out["resources"]) - named == set()

@@ -3,10 +3,12 @@ and the host actor's node-side logic in-process around the fake driver."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import pickle
 import tarfile
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -175,3 +177,48 @@ def test_backstop_destroys_a_sandbox_past_its_lifetime_plus_grace(
     monkeypatch.setattr(host_module.time, "monotonic", lambda: later)
     assert host.sweep() == ["sb-h3"]
     assert fake.destroyed == ["sb-h3"] and host.hosted() == []
+
+
+@pytest.mark.parametrize("by_hand", [False, True], ids=["tarfile-filter", "by-hand"])
+def test_unpacking_refuses_escapes_with_or_without_tarfiles_filter(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, by_hand: bool
+) -> None:
+    """Debian bookworm's Python 3.11.2 has no extraction filters: the same rules by hand."""
+    if by_hand:
+        monkeypatch.delattr(tarfile, "data_filter", raising=False)
+    elif not hasattr(tarfile, "data_filter"):
+        pytest.skip("this Python's tarfile has no extraction filters")
+
+    def archive(*members: tuple[str, str]) -> bytes:
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            for name, link in members:
+                info = tarfile.TarInfo(name)
+                if link:
+                    info.type, info.linkname = tarfile.SYMTYPE, link
+                    tar.addfile(info)
+                else:
+                    info.size, info.mode = 1, 0o4777
+                    tar.addfile(info, io.BytesIO(b"x"))
+        return buf.getvalue()
+
+    for bad in (
+        archive(("../escaped", "")),
+        archive(
+            ("up", "../../.."),
+        ),
+        archive(("out", str(tmp_path)), ("out/file", "")),
+    ):
+        target = tmp_path / f"t{uuid.uuid4().hex[:6]}"
+        with pytest.raises(tarfile.TarError):
+            unpack_directory(bad, target)
+    assert not (tmp_path / "escaped").exists() and not (tmp_path / "file").exists()
+    # An absolute name is refused, or made relative (tarfile's filter): never written there.
+    with contextlib.suppress(tarfile.TarError):
+        unpack_directory(archive((f"{tmp_path}/abs", "")), tmp_path / "abs-target")
+    assert not (tmp_path / "abs").exists()
+    good = tmp_path / "good"
+    unpack_directory(archive(("dir/f", ""), ("dir/l", "f")), good)
+    mode = (good / "dir" / "f").stat().st_mode
+    assert (good / "dir" / "l").read_bytes() == b"x"
+    assert not mode & 0o7022, oct(mode)  # no setuid/setgid/sticky, no group/other write

@@ -1,4 +1,6 @@
-"""SandboxSessions over FakeDriver with a manual clock: limits, reaping, closing, exec."""
+"""SandboxSessions over FakeDriver with a manual clock: limits, reaping, closing, exec, and
+ownership (one owner cannot find, use, kill or destroy another's sandbox, nor learn why
+one ended)."""
 
 from __future__ import annotations
 
@@ -18,11 +20,18 @@ from devs_sandbox.errors import (
     SessionLimitError,
 )
 from devs_sandbox.lifecycle import SandboxLifecycleManager
+from devs_sandbox.lifecycle.sampling import ScriptedProcessStats
+from devs_sandbox.lifecycle.timeout import SandboxTimeoutEnforcer
 from devs_sandbox.models import DetectionRule, ExecResult, TreeSample, Violation, ViolationType
-from devs_sandbox.monitor.shell import MonitoredShellOptions, ScriptedProcessStats
 from devs_sandbox.scheduler import FakeScheduler
-from devs_sandbox.sessions import ENDED_MEMORY, SandboxSessions, ServerClosingError
-from devs_sandbox.timeout import SandboxTimeoutEnforcer
+from devs_sandbox.tools.sessions import (
+    ENDED_MEMORY,
+    OWNED_MEMORY,
+    OwnerLimitError,
+    SandboxSessions,
+    ServerClosingError,
+)
+from devs_sandbox.tools.shell import MonitoredShellOptions
 
 pytestmark = pytest.mark.unit
 CFG = SandboxLifecycleConfig(driver="fake")
@@ -37,7 +46,12 @@ class PidDriver(FakeDriver):
 
 
 def make(
-    *, idle: float = 60.0, total: float = 600.0, most: int = 3, handler: Any = None
+    *,
+    idle: float = 60.0,
+    total: float = 600.0,
+    most: int = 3,
+    per_owner: int | None = None,
+    handler: Any = None,
 ) -> tuple[SandboxSessions, FakeDriver, FakeScheduler]:
     sched = FakeScheduler()
     driver = PidDriver(exec_handler=handler or (lambda _sb, _cmd: ok_result("ok\n")))
@@ -45,7 +59,12 @@ def make(
         driver, store=None, enforcer=SandboxTimeoutEnforcer(scheduler=sched)
     )
     sessions = SandboxSessions(
-        manager, idle_timeout_s=idle, total_timeout_s=total, max_sandboxes=most, scheduler=sched
+        manager,
+        idle_timeout_s=idle,
+        total_timeout_s=total,
+        max_sandboxes=most,
+        max_per_owner=per_owner,
+        scheduler=sched,
     )
     return sessions, driver, sched
 
@@ -217,7 +236,7 @@ def test_an_exec_timeout_raises_with_the_partial_result() -> None:
             stats=ScriptedProcessStats([PRIME]),
             scheduler=sched,
         )
-    assert err.value.timeout_ms == 5_000
+    assert err.value.timeout_s == pytest.approx(5.0)
     assert err.value.result is not None and err.value.result.stdout.text == "partial\n"
     assert sessions.ids() == [sb.id]
 
@@ -281,3 +300,106 @@ def test_kill_stops_the_processes_but_keeps_the_session() -> None:
     sessions.end(sb.id, "again")  # no-op
     with pytest.raises(SandboxNotFoundError, match="test over"):
         sessions.destroy(sb.id)
+
+
+# -- ownership --------------------------------------------------------------------------------
+def _not_found(call: Any) -> SandboxNotFoundError:
+    with pytest.raises(SandboxNotFoundError) as err:
+        call()
+    return err.value
+
+
+def test_another_owner_finds_nothing_and_learns_nothing() -> None:
+    sessions, driver, sched = make()
+    mine = sessions.create(CFG, owner="alice")
+    stats = ScriptedProcessStats([PRIME])
+    attempts = {
+        "use": lambda: sessions.use(mine.id, owner="mallory").__enter__(),
+        "exec": lambda: sessions.exec(
+            mine.id, "ls", OPTS, timeout_s=5, owner="mallory", stats=stats, scheduler=sched
+        ),
+        "remaining_s": lambda: sessions.remaining_s(mine.id, owner="mallory"),
+        "destroy": lambda: sessions.destroy(mine.id, owner="mallory"),
+    }
+    never = _not_found(lambda: sessions.destroy("sb-000000000000", owner="mallory"))
+    for name, attempt in attempts.items():
+        err = _not_found(attempt)
+        # Word for word what an id that never existed gets.
+        assert (err.detail, str(err)) == ("", str(never).replace("sb-000000000000", mine.id)), name
+    sessions.kill(mine.id, owner="mallory")
+    assert driver.sandboxes[mine.id].force_stops == 0 and driver.sandboxes[mine.id].commands == []
+    assert sessions.ids(owner="mallory") == [] and sessions.ids(owner="alice") == [mine.id]
+    # Still alice's, untouched.
+    r = sessions.exec(
+        mine.id, "echo", OPTS, timeout_s=5, owner="alice", stats=stats, scheduler=sched
+    )
+    assert r.stdout.text == "ok\n"
+    # Why it ended is alice's to know, not mallory's.
+    sessions.destroy(mine.id, owner="alice")
+    assert _not_found(lambda: sessions.destroy(mine.id, owner="mallory")).detail == ""
+    assert _not_found(lambda: sessions.destroy(mine.id, owner="alice")).detail == (
+        "destroyed by sandbox_destroy"
+    )
+
+
+def test_end_owner_destroys_only_that_owners_sandboxes_and_refuses_it_more() -> None:
+    sessions, driver, _ = make(most=5)
+    a1, a2 = sessions.create(CFG, owner="a"), sessions.create(CFG, owner="a")
+    b1 = sessions.create(CFG, owner="b")
+    assert sorted(sessions.end_owner("a", "its MCP session ended")) == sorted([a1.id, a2.id])
+    assert sorted(driver.destroyed) == sorted([a1.id, a2.id]) and sessions.ids() == [b1.id]
+    assert sessions.owned_ids("a") == [] and sessions.owned_ids("b") == [b1.id]
+    assert sessions.end_owner("a", "again") == []  # idempotent
+    with pytest.raises(ServerClosingError):
+        sessions.create(CFG, owner="a")
+    with pytest.raises(ServerClosingError), sessions.slot(owner="a"):
+        pass
+    sessions.create(CFG, owner="b")  # the others carry on
+
+
+def test_a_create_that_finishes_after_its_owner_ended_is_destroyed() -> None:
+    sessions, driver, _ = make()
+    real = driver.provision
+
+    def provision_then_end(config: SandboxLifecycleConfig, **kw: Any) -> Any:
+        ctx = real(config, **kw)
+        sessions.end_owner("a", "its MCP session ended")  # the client left meanwhile
+        return ctx
+
+    driver.provision = provision_then_end  # type: ignore[method-assign]
+    with pytest.raises(ServerClosingError):
+        sessions.create(CFG, owner="a")
+    assert len(driver.destroyed) == 1 and len(sessions) == 0
+
+
+def test_owned_ids_name_sessions_and_one_shot_runs_newest_last() -> None:
+    sessions, _, _ = make(most=5)
+    s1 = sessions.create(CFG, owner="a")
+    with sessions.slot(owner="a", sandbox_id="sb-oneshot0001"):
+        pass
+    with sessions.slot(owner="b", sandbox_id="sb-oneshot0002"):
+        pass
+    sessions.destroy(s1.id, owner="a")  # a destroyed sandbox's rows are still the owner's
+    assert sessions.owned_ids("a") == [s1.id, "sb-oneshot0001"]
+    assert sessions.owned_ids("b") == ["sb-oneshot0002"] and sessions.owned_ids("c") == []
+    for i in range(OWNED_MEMORY):
+        with sessions.slot(owner="a", sandbox_id=f"sb-{i:012d}"):
+            pass
+    owned = sessions.owned_ids("a")
+    assert len(owned) == OWNED_MEMORY and owned[-1] == f"sb-{OWNED_MEMORY - 1:012d}"
+
+
+def test_one_owner_cannot_take_every_slot() -> None:
+    sessions, _, _ = make(most=4, per_owner=2)
+    sessions.create(CFG, owner="a")
+    with sessions.slot(owner="a"):
+        with pytest.raises(OwnerLimitError) as err:
+            sessions.create(CFG, owner="a")
+        assert err.value.limit == 2 and "mcp.maxSessionsPerClient" in str(err.value)
+        assert isinstance(err.value, SessionLimitError)  # the MCP tool error is the same kind
+        sessions.create(CFG, owner="b")  # another client still gets in
+    sessions.create(CFG, owner="a")  # the one-shot slot came back
+    sessions.create(CFG, owner="c")
+    with pytest.raises(SessionLimitError) as glob:
+        sessions.create(CFG, owner="d")  # the global cap still holds
+    assert not isinstance(glob.value, OwnerLimitError)

@@ -57,6 +57,22 @@ def test_record_and_list(db_path: Path) -> None:
         assert len(store.list(limit=1)) == 1
 
 
+def test_list_only_the_given_sandboxes(db_path: Path) -> None:
+    """How the MCP server shows a client its own rows: filtered in SQL, any number of ids."""
+    with ViolationStore(db_path) as store:
+        for sandbox_id in ("a", "b", "c", "b"):
+            store.record(v(sandbox_id))
+        assert {r["sandbox_id"] for r in store.list(sandbox_ids={"a", "b"})} == {"a", "b"}
+        assert len(store.list(sandbox_ids=["b"])) == 2
+        assert len(store.list(sandbox_ids=["b"], limit=1)) == 1
+        assert store.list(sandbox_ids=[]) == [] and store.list(sandbox_ids=["zz"]) == []
+        assert store.list(sandbox_id="c", sandbox_ids=["a", "b"]) == []  # both filters hold
+        assert len(store.list(sandbox_id="a", sandbox_ids=["a", "b"])) == 1
+        # More ids than SQLite takes as bound parameters, and injection-shaped ones.
+        many = [f"sb-{i}" for i in range(40_000)] + ["a", "x') OR 1=1 --"]
+        assert [r["sandbox_id"] for r in store.list(sandbox_ids=many)] == ["a"]
+
+
 def test_injection_shaped_sandbox_id_is_stored_verbatim(db_path: Path) -> None:
     evil = "x'); DROP TABLE sandbox_violations;--"
     with ViolationStore(db_path) as store:

@@ -15,7 +15,7 @@ import resource
 import shutil
 from dataclasses import dataclass
 
-from devs_sandbox.isolation import bwrap, cgroups, mounts, unshare
+from devs_sandbox.isolation import bwrap, cgroups, mounts, probe_cache, unshare
 
 NOBODY_UID = 65534
 NOBODY_GID = 65534
@@ -91,6 +91,14 @@ def _rlimits() -> tuple[bool, str]:
     if not hasattr(resource, "prlimit"):
         return False, "resource.prlimit unavailable on this platform"
     return True, ""
+
+
+def reprobe() -> HostSupport:
+    """Forget every verdict, in this process and on disk, and probe again (the doctor)."""
+    probe_cache.invalidate()
+    for fn in (bwrap.probe, unshare.probe, mounts.can_mount, probe_host):
+        fn.cache_clear()
+    return probe_host()
 
 
 @functools.cache

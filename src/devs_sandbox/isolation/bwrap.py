@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
+from devs_sandbox.isolation import probe_cache
 from devs_sandbox.isolation.layout import Layout, Op
 
 PROBE_TIMEOUT_S: Final = 5.0  # a healthy bwrap answers in ~5 ms; 5 s means it is wedged
@@ -38,7 +39,18 @@ class BwrapSupport:
 @functools.cache
 def probe(prefix: tuple[str, ...] = ()) -> BwrapSupport:
     """Run a trivial sandbox once, behind ``prefix`` (e.g. setpriv dropping to the sandbox
-    uid), to learn whether bwrap works here the way the driver will run it."""
+    uid), to learn whether bwrap works here the way the driver will run it. The verdict is
+    kept on disk for the next processes (``probe_cache``)."""
+    return probe_cache.cached(
+        "bwrap " + " ".join(prefix),
+        lambda: probe_now(prefix),
+        encode=lambda s: [s.path, s.works, s.reason, s.version],
+        decode=lambda v: BwrapSupport(*v),
+    )
+
+
+def probe_now(prefix: tuple[str, ...] = ()) -> BwrapSupport:
+    """The probe itself, never cached (``devs-sandbox doctor``)."""
     path = shutil.which("bwrap")
     if path is None:
         return BwrapSupport(None, False, "bwrap not found on PATH (apt-get install bubblewrap)")

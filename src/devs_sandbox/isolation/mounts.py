@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from devs_sandbox.isolation import probe_cache
+
 MS_NOSUID: Final = 0x2
 MS_NODEV: Final = 0x4
 MNT_DETACH: Final = 0x2
@@ -47,7 +49,15 @@ def _lib() -> ctypes.CDLL:
 @functools.cache
 def can_mount() -> tuple[bool, str]:
     """Whether we can mount a tmpfs here: tried once, for real, on a scratch directory.
-    Being root is not enough: a container's root usually lacks CAP_SYS_ADMIN."""
+    Being root is not enough: a container's root usually lacks CAP_SYS_ADMIN. The verdict
+    is kept on disk for the next processes (``probe_cache``)."""
+    return probe_cache.cached(
+        "tmpfs", can_mount_now, encode=list, decode=lambda v: (bool(v[0]), str(v[1]))
+    )
+
+
+def can_mount_now() -> tuple[bool, str]:
+    """The probe itself, never cached."""
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
         return False, "mounting a tmpfs needs root (CAP_SYS_ADMIN)"
     try:
@@ -56,14 +66,13 @@ def can_mount() -> tuple[bool, str]:
         return False, f"libc not loadable: {exc}"
     scratch = Path(tempfile.mkdtemp(prefix="devs-mount-probe-"))
     try:
-        mount_tmpfs(scratch, TmpfsOptions(64 * 1024, 16, 0, 0))
-    except OSError as exc:
-        return False, f"mounting a tmpfs failed: {exc.strerror} (root without CAP_SYS_ADMIN?)"
-    finally:
         try:
-            unmount(scratch)
-        finally:
-            scratch.rmdir()
+            mount_tmpfs(scratch, TmpfsOptions(64 * 1024, 16, 0, 0))
+        except OSError as exc:
+            return False, f"mounting a tmpfs failed: {exc.strerror} (root without CAP_SYS_ADMIN?)"
+        unmount(scratch)
+    finally:
+        scratch.rmdir()
     return True, ""
 
 

@@ -70,6 +70,12 @@ PR_CAP_AMBIENT_CLEAR_ALL = 4
 PR_SET_SECCOMP = 22
 SECCOMP_MODE_FILTER = 2
 
+# The namespace's pid 1: a shell that starts the command as pid 2 (with its stdin, which a
+# background job would otherwise lose to /dev/null) and exits with its status (128 + N for
+# signal N). The command must not be pid 1: the kernel drops signals a pid 1 sent itself
+# without a handler (`kill -TERM $$` would do nothing), as bwrap's own init avoids too.
+INIT_SH = 'exec 3<&0; "$@" <&3 3<&- & wait $!'
+INIT_NAME = "devs-sandbox-init"
 EXIT_SETUP_FAILED = 125
 EXIT_NOT_EXECUTABLE = 126
 EXIT_NOT_FOUND = 127
@@ -382,7 +388,7 @@ def _child(spec: dict[str, Any], argv: list[str], env: dict[str, str], alive_fd:
     except (SetupError, OSError) as exc:
         _fail(status_fd, str(exc))
         os._exit(EXIT_SETUP_FAILED)
-    os._exit(_exec(argv, env, status_fd))
+    os._exit(_exec(["/bin/sh", "-c", INIT_SH, INIT_NAME, *argv], env, status_fd))
 
 
 def _exec(argv: list[str], env: dict[str, str], status_fd: int | None) -> int:

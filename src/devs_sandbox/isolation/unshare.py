@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from devs_sandbox.isolation import layout as layout_mod
+from devs_sandbox.isolation import probe_cache
 
 SCRIPT: Final = Path(__file__).with_name("nsinit.py")
 PROBE_TIMEOUT_S: Final = 10.0  # an interpreter start plus a few mounts; 10 s means wedged
@@ -82,7 +83,17 @@ def env_blob(env: Mapping[str, str]) -> bytes:
 @functools.cache
 def probe(*, userns: bool, uid: int) -> tuple[bool, str]:
     """Run a trivial sandbox once, the way the driver will, to learn whether unshare(2),
-    the mounts and the privilege drop all work here."""
+    the mounts and the privilege drop all work here (kept on disk: ``probe_cache``)."""
+    return probe_cache.cached(
+        f"unshare userns={userns} uid={uid}",
+        lambda: probe_now(userns=userns, uid=uid),
+        encode=list,
+        decode=lambda v: (bool(v[0]), str(v[1])),
+    )
+
+
+def probe_now(*, userns: bool, uid: int) -> tuple[bool, str]:
+    """The probe itself, never cached."""
     ops = (
         layout_mod.Op("ro-bind", "/", src="/"),
         layout_mod.Op("proc", "/proc"),

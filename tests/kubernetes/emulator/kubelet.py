@@ -19,7 +19,8 @@ How a pod maps to a container (what a real kubelet with runc does, as far as Doc
   requests are the scheduler's business and are ignored; no pids field exists on a pod, the
   node-wide ``pod_pids_limit`` (kubelet podPidsLimit) applies to every container;
 - emptyDir medium Memory -> tmpfs sized sizeLimit (else the pod's memory limit, as with
-  SizeMemoryBackedVolumes); other emptyDirs -> an anonymous volume (sizeLimit not enforced);
+  SizeMemoryBackedVolumes), exec, writable by the pod's runAsUser; other emptyDirs -> an
+  anonymous volume (sizeLimit not enforced);
 - activeDeadlineSeconds -> the container is stopped and the pod Failed/DeadlineExceeded;
 - network: Docker's bridge, disconnected (only loopback left, as ``network_mode=none``)
   while a NetworkPolicy in the pod's namespace selects it and allows no egress; re-checked
@@ -255,6 +256,8 @@ class Kubelet:
         for w in list(self._watches):
             with contextlib.suppress(Exception):
                 w.stop()
+            with contextlib.suppress(Exception):  # a blocked read ends now, not at its timeout
+                w._resp.shutdown()
         self.remove_all()  # first: a worker waiting out a grace period returns at once
         self._pool.shutdown(wait=True, cancel_futures=True)
         for t in self._threads:
@@ -300,6 +303,8 @@ class Kubelet:
                     self._on_pod("ADDED", self.core.api_client.sanitize_for_serialization(pod))
                 rv = listed.metadata.resource_version
             w = self._watch_object(watch.Watch())
+            if self._stop.is_set():  # stop() may have closed the watches before this one
+                return
             try:
                 # With timeout_seconds the client raises a 410 ERROR event as ApiException.
                 for event in w.stream(
@@ -329,6 +334,8 @@ class Kubelet:
             ]
             self._reconcile_network()
             w = self._watch_object(watch.Watch())
+            if self._stop.is_set():  # stop() may have closed the watches before this one
+                return
             try:
                 for _event in w.stream(
                     self.net.list_network_policy_for_all_namespaces,
@@ -618,11 +625,16 @@ class Kubelet:
             empty_dir = volumes[vm["name"]]
             if empty_dir.get("medium") == "Memory":
                 size = int(quantity(empty_dir["sizeLimit"])) if empty_dir.get("sizeLimit") else mem
-                opts = ["mode=0777"]
+                # A kubelet's emptyDir is 0777 and not noexec; Docker adds noexec to a tmpfs
+                # and copies the mode of an image directory it is mounted over (the image's
+                # /workspace is 0755 root), so the pod's uid is made its owner instead.
+                opts = ["mode=0777", "exec"]
                 if size:
                     opts.insert(0, f"size={size}")
                 if vm.get("readOnly"):
                     opts.append("ro")
+                if uid is not None:
+                    opts.append(f"uid={uid}")
                 if psc.get("fsGroup") is not None:
                     opts.append(f"gid={psc['fsGroup']}")
                 tmpfs[vm["mountPath"]] = ",".join(opts)
@@ -696,28 +708,36 @@ class Kubelet:
         return False
 
     def _reconcile_network(self) -> None:
+        import docker.errors
+
         from kubernetes import client
 
         for state in list(self._pods.values()):
-            if state.container_id is None or state.finished:
-                continue
-            try:
-                pod = self.core.api_client.sanitize_for_serialization(
-                    self.core.read_namespaced_pod(state.name, state.namespace)
-                )
-                deny = self._denied(pod)
-                if deny and not state.isolated:
-                    self.engine.api.disconnect_container_from_network(state.container_id, "bridge")
-                    state.isolated = True
-                elif not deny and state.isolated:
-                    self.engine.api.connect_container_to_network(state.container_id, "bridge")
-                    state.isolated = False
-            except client.ApiException as exc:
-                if exc.status != 404 and not self._stop.is_set():  # 404: deleted meanwhile
-                    self.errors.append(f"network of {state.name}: {exc!r}")
-            except Exception as exc:
-                if not self._stop.is_set():
-                    self.errors.append(f"network of {state.name}: {exc!r}")
+            # Under the pod's lock: _run may be starting (and disconnecting) it right now.
+            with state.lock:
+                if state.container_id is None or state.finished or state.deleting:
+                    continue
+                try:
+                    pod = self.core.api_client.sanitize_for_serialization(
+                        self.core.read_namespaced_pod(state.name, state.namespace)
+                    )
+                    deny = self._denied(pod)
+                    if deny and not state.isolated:
+                        self.engine.api.disconnect_container_from_network(
+                            state.container_id, "bridge"
+                        )
+                        state.isolated = True
+                    elif not deny and state.isolated:
+                        self.engine.api.connect_container_to_network(state.container_id, "bridge")
+                        state.isolated = False
+                except client.ApiException as exc:
+                    if exc.status != 404 and not self._stop.is_set():  # 404: deleted meanwhile
+                        self.errors.append(f"network of {state.name}: {exc!r}")
+                except docker.errors.NotFound:
+                    pass  # the container went with its pod meanwhile
+                except Exception as exc:
+                    if not self._stop.is_set():
+                        self.errors.append(f"network of {state.name}: {exc!r}")
 
     # -- container ends -------------------------------------------------------------------
     def _docker_events(self) -> None:

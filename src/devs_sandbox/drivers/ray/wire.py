@@ -36,6 +36,7 @@ from devs_sandbox.errors import (
     SandboxNotFoundError,
     UnsupportedRuntimeError,
 )
+from devs_sandbox.workspace import unpack_tar
 
 HOST_ACTOR_PREFIX: Final = "devs-sandbox-host"
 STDOUT: Final = 1
@@ -187,8 +188,6 @@ def pack_directory(source: Path, limit_bytes: int) -> bytes:
 
 
 def unpack_directory(data: bytes, target: Path) -> None:
-    """Extract what ``pack_directory`` made into ``target``, with tarfile's ``data`` filter:
-    no absolute paths, no ``..``, no links out of ``target``, no devices, no setuid bits."""
-    target.mkdir(mode=0o700, parents=True, exist_ok=True)
-    with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
-        tar.extractall(target, filter="data")
+    """Extract what ``pack_directory`` made into ``target`` (``workspace.unpack_tar``: no
+    absolute paths, no ``..``, no links out of ``target``, no devices, no setuid bits)."""
+    unpack_tar(data, target)

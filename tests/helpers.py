@@ -1,0 +1,24 @@
+"""Builders every test group shares: one way to make a run config and a manager."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from devs_sandbox.base import SandboxDriver
+from devs_sandbox.config import SandboxLifecycleConfig, override
+from devs_sandbox.lifecycle import SandboxLifecycleManager
+from devs_sandbox.store import ViolationStore
+
+
+def config(**changes: Any) -> SandboxLifecycleConfig:
+    """A run config from the defaults; ``quotas``/``isolation``/``docker`` dicts are merged."""
+    return override(SandboxLifecycleConfig(), **changes)
+
+
+def manager(
+    driver: SandboxDriver | None = None, *, db: Path | None = None, **kw: Any
+) -> SandboxLifecycleManager:
+    """A lifecycle manager over ``driver`` (else the configured one), recording violations
+    in ``db`` when given and nowhere otherwise (never the user's default store)."""
+    return SandboxLifecycleManager(driver, store=ViolationStore(db) if db else None, **kw)
