@@ -34,9 +34,12 @@ import concurrent.futures  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from collections import Counter  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
 from typing import Any  # noqa: E402
 
 from devs_sandbox import SandboxLifecycleConfig, SandboxLifecycleManager, override  # noqa: E402
+from devs_sandbox.drivers.ray.driver import RayDriver  # noqa: E402
+from devs_sandbox.models import SandboxOutcome  # noqa: E402
 
 from _common import summarize, time_interleaved, write_report  # noqa: E402
 
@@ -44,19 +47,38 @@ SLOTS = "devs_sandbox_slots"
 SLOTS_PER_NODE = 16
 
 
+@dataclass
+class Seen:
+    """Where the runs went, which layers each node gave them, and how many failed."""
+
+    nodes: Counter[str] = field(default_factory=Counter)
+    layers: dict[str, set[str]] = field(default_factory=dict)  # node -> layers of every run
+    failed: int = 0
+
+    def add(self, other: Seen) -> None:
+        self.nodes += other.nodes
+        for node, layers in other.layers.items():
+            self.layers[node] = self.layers.get(node, layers) & layers
+        self.failed += other.failed
+
+
 def throughput(
     manager: SandboxLifecycleManager, cfg: SandboxLifecycleConfig, runs: int, concurrency: int
-) -> tuple[float, Counter[str]]:
-    nodes: Counter[str] = Counter()
+) -> tuple[float, Seen]:
+    seen = Seen()
 
-    def one(_: int) -> str | None:
-        return manager.run_in_sandbox(["true"], cfg).node
+    def one(_: int) -> SandboxOutcome:
+        return manager.run_in_sandbox(["true"], cfg)
 
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
-        for node in pool.map(one, range(runs)):
-            nodes[(node or "?")[:12]] += 1
-    return runs / (time.perf_counter() - start), nodes
+        for outcome in pool.map(one, range(runs)):
+            node = (outcome.node or "local")[:12]
+            seen.nodes[node] += 1
+            layers = set(outcome.isolation)
+            seen.layers[node] = seen.layers.get(node, layers) & layers
+            seen.failed += outcome.exit_code != 0
+    return runs / (time.perf_counter() - start), seen
 
 
 def stream_latency_ms(manager: SandboxLifecycleManager, cfg: SandboxLifecycleConfig) -> float:
@@ -113,20 +135,24 @@ def main() -> int:
 
         def measure() -> dict[str, Any]:
             rates: list[float] = []
-            nodes: Counter[str] = Counter()
-            for _ in range(args.repeats):
-                rate, seen = throughput(manager, ray_cfg, args.runs, args.concurrency)
+            local_rates: list[float] = []
+            seen, local_seen = Seen(), Seen()
+            for _ in range(args.repeats):  # interleaved: ray, then local, then ray ...
+                rate, one_seen = throughput(manager, ray_cfg, args.runs, args.concurrency)
                 rates.append(rate)
-                nodes += seen
-            local_rates = [
-                throughput(manager, local_cfg, args.runs, args.concurrency)[0]
-                for _ in range(args.repeats)
-            ]
+                seen.add(one_seen)
+                rate, one_seen = throughput(manager, local_cfg, args.runs, args.concurrency)
+                local_rates.append(rate)
+                local_seen.add(one_seen)
             return {
                 "runs_per_s": statistics.median(rates),
                 "runs_per_s_all": [round(r, 1) for r in rates],
                 "local_runs_per_s": statistics.median(local_rates),
-                "runs_per_node": dict(nodes),
+                "local_runs_per_s_all": [round(r, 1) for r in local_rates],
+                "runs_per_node": dict(seen.nodes),
+                "layers_per_node": {n: sorted(v) for n, v in seen.layers.items()},
+                "failed_runs": seen.failed,
+                "local_failed_runs": local_seen.failed,
             }
 
         one = measure()
@@ -135,14 +161,25 @@ def main() -> int:
             cluster.add_node(num_cpus=1, resources={SLOTS: SLOTS_PER_NODE})
         cluster.wait_for_nodes()
         add_two_s = time.perf_counter() - t1
-        manager.run_in_sandbox(["true"], ray_cfg)  # warm-up: the new nodes' host actors
+        # Every node's host actor (started here if not yet), with its node's layers.
+        node_layers = {
+            info.node_id[:12]: {
+                "in_effect": sorted(m for m, why in info.layers.items() if not why),
+                "missing": {m: why for m, why in info.layers.items() if why},
+            }
+            for info in RayDriver().nodes(ray_cfg)
+        }
+        manager.run_in_sandbox(["true"], ray_cfg)  # warm-up
         three = measure()
     finally:
         manager.shutdown()
         ray.shutdown()
         cluster.shutdown()
 
-    print(f"isolation on the nodes: {', '.join(isolation)}")
+    print(f"isolation of the first run: {', '.join(isolation)}")
+    for node, layers in node_layers.items():
+        missing = "; ".join(f"{m}: {why}" for m, why in layers["missing"].items()) or "none"
+        print(f"node {node}: layers {', '.join(layers['in_effect'])} (missing: {missing})")
     print(f"cluster: 1 node up in {one_node_start_s:.1f} s, 2 more in {add_two_s:.1f} s")
     print(f"{'case':<8}{'p50 ms':>10}{'p90 ms':>10}")
     for name, s in latency.items():
@@ -153,13 +190,17 @@ def main() -> int:
         print(
             f"throughput, {label}: {m['runs_per_s']:.1f} runs/s with {args.concurrency} callers "
             f"(local driver, same callers: {m['local_runs_per_s']:.1f}); "
-            f"per node {m['runs_per_node']}"
+            f"per node {m['runs_per_node']}; failed runs {m['failed_runs']} "
+            f"(local {m['local_failed_runs']})"
         )
+        for node, layers in m["layers_per_node"].items():
+            print(f"  every run on {node} had: {', '.join(layers)}")
     path = write_report(
         "ray",
         {
             "ray_version": ray.__version__,
             "isolation": isolation,
+            "node_layers": node_layers,
             "runs": args.runs,
             "concurrency": args.concurrency,
             "repeats": args.repeats,

@@ -34,6 +34,27 @@ def test_run_json_prints_the_contract() -> None:
     assert "rlimits" in out["isolation"]
 
 
+def test_a_local_run_never_imports_ray() -> None:
+    """Ray (~1 s to import) is loaded only by --driver ray: the CLI's start-up is part of
+    every sandboxed command."""
+    probe = (
+        "import sys\n"
+        "from devs_sandbox.cli.fast import main\n"
+        "status = main(['run', '--', 'true'])\n"
+        "print(status, sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        stdin=subprocess.DEVNULL,
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split(maxsplit=1) == ["0", "[]\n"], (r.stdout, r.stderr)
+
+
 def test_module_entry_point_and_version() -> None:
     r = run_cli("--version")
     assert r.returncode == 0 and "devs-sandbox" in r.stdout

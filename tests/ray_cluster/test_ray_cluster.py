@@ -11,9 +11,11 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,7 @@ from devs_sandbox import (
     DriverUnavailableError,
     IsolationUnavailableError,
     QuotaExceededError,
+    SandboxFileError,
     SandboxLifecycleConfig,
     SandboxLifecycleManager,
     SandboxTimeoutError,
@@ -200,6 +203,74 @@ def test_docker_as_the_node_driver(cluster: RayCluster, manager: SandboxLifecycl
         manager.run_in_sandbox([PY, "-c", "x = bytearray(256 * 2**20)"], hog)
     assert info.value.violation.type == "MEMORY_EXCEEDED"
     assert info.value.outcome is not None and info.value.outcome.exit_code == 137
+
+
+def test_a_config_file_that_picks_ray_runs_in_the_client_not_the_local_server(
+    cluster: RayCluster, tmp_path: Path
+) -> None:
+    """`sandbox.driver: ray` in a config file: the fast path cannot see it, so the warm local
+    server must hand such runs back to their clients (Ray is one connection per process,
+    ray.init/ray.shutdown: concurrent runs inside one server broke each other)."""
+    config = tmp_path / "ray.json"
+    config.write_text(
+        json.dumps({"sandbox": {"driver": "ray", "ray": {"address": cluster.address}}})
+    )
+    runtime = tmp_path / "run"
+    env = {
+        "DEVS_SANDBOX_DAEMON": "1",
+        "DEVS_SANDBOX_RUNTIME_DIR": str(runtime),
+        "DEVS_SANDBOX_DAEMON_IDLE_S": "120",
+    }
+    run_cli("run", "--", "true", env=env)  # starts this test's own server
+    wait_for(lambda: list(runtime.glob("*.pid")), what="the local server to listen")
+    server = int(next(runtime.glob("*.pid")).read_text())
+    try:
+        wait_for(lambda: list(runtime.glob("*.sock")), what="the local server's socket")
+
+        def one(i: int) -> tuple[int, str, str]:
+            r = run_cli(
+                "run", "--config", str(config), "--json", "--", PY, "-c", f"print({i})", env=env
+            )
+            return r.returncode, r.stdout, r.stderr
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(one, range(4)))
+        for i, (code, stdout, stderr) in enumerate(results):
+            if code == 1 and BWRAP_SETUP_RACE in stdout:
+                continue  # placed and confined; the process driver's known race, above
+            assert code == 0, stderr
+            out = json.loads(stdout)
+            assert out["driver"] == "ray" and out["stdout"] == f"{i}\n"
+            assert out["node"] in cluster.node_ids
+        # The server declined them all before touching anything: Ray never entered it.
+        maps = Path(f"/proc/{server}/maps").read_text()
+        assert "_raylet" not in maps, "the local server loaded Ray"
+        assert run_cli("run", "--", "true", env=env).returncode == 0  # and it still serves
+    finally:
+        os.kill(server, signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{server}").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+
+def test_files_cross_to_and_from_the_node(
+    cluster: RayCluster, manager: SandboxLifecycleManager, tmp_path: Path
+) -> None:
+    """Sandbox.read_file/write_file/list_files/copy_out are commands in the sandbox: on Ray
+    they run on the sandbox's node, and the workspace boundary holds there."""
+    with manager.open_sandbox(ray_config(cluster)) as sandbox:
+        assert sandbox.context.node in cluster.node_ids
+        payload = bytes(range(256)) * 4
+        sandbox.write_file("in/data.bin", payload)
+        r = sandbox.exec([PY, "-c", "import sys; print(len(open('in/data.bin','rb').read()))"])
+        assert r.stdout.text == "1024\n"
+        assert sandbox.read_file("in/data.bin") == payload
+        assert [(e.name, e.kind) for e in sandbox.list_files("in")] == [("data.bin", "file")]
+        sandbox.exec(["ln", "-s", "/etc", "out"])
+        with pytest.raises(SandboxFileError):
+            sandbox.read_file("out/hostname")
+        copied = sandbox.copy_out("in", tmp_path / "back")
+        assert (copied / "data.bin").read_bytes() == payload
 
 
 # -- the caller's contract -------------------------------------------------------------------

@@ -34,6 +34,14 @@ class UsageError(Exception):
         self.status = status
 
 
+class RunInCaller(Exception):  # noqa: N818 - a request to move, not an error
+    """Raised by a command that the local server must not run for its client (before it
+    touched anything: no output, no stdin read, no sandbox): the client runs it in its own
+    process instead. A run whose configuration picks the ray driver is one: Ray's client
+    connection belongs to the calling process, one per process, not to a server shared by
+    every client of this user."""
+
+
 @dataclass
 class Console:
     """Text streams ``out``/``err`` (with ``.buffer`` for bytes), binary ``stdin``, the

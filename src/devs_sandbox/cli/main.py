@@ -29,6 +29,7 @@ from devs_sandbox.cli.console import (
     EXIT_USAGE,
     PROG,
     Console,
+    RunInCaller,
     UsageError,
 )
 from devs_sandbox.cli.parser import build_parser
@@ -129,6 +130,8 @@ def main(argv: Sequence[str] | None = None, console: Console | None = None) -> i
     except UsageError as exc:
         print(exc, file=con.err)
         return exc.status
+    except RunInCaller:
+        raise  # the local server hands the request back to its client
     except ConfigError as exc:
         print(f"{PROG}: {exc}", file=con.err)
         # A working directory's config trying to weaken the sandbox: nothing may run.

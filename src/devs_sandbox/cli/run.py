@@ -18,6 +18,7 @@ from devs_sandbox.cli.console import (
     EXIT_TIMEOUT,
     PROG,
     Console,
+    RunInCaller,
     UsageError,
 )
 from devs_sandbox.cli.parser import cluster_changes
@@ -44,6 +45,11 @@ from devs_sandbox.tools.code import code_task, spec_of
 
 if TYPE_CHECKING:
     from devs_sandbox.lifecycle import Sandbox, SandboxLifecycleManager
+
+
+# Drivers whose client belongs to the calling process (Ray: one connection per process,
+# ray.init/ray.shutdown): never run by the local server for its clients.
+CALLER_PROCESS_DRIVERS: Final = frozenset({"ray"})
 
 
 def load_file_config(args: argparse.Namespace, con: Console) -> DevsConfig:
@@ -256,6 +262,9 @@ def cmd_run(args: argparse.Namespace, con: Console) -> int:
         )
     file_cfg = load_file_config(args, con)
     cfg = run_config(args, file_cfg, con)
+    if cfg.driver in CALLER_PROCESS_DRIVERS and not con.in_process:
+        # Picked by a configuration file (the fast path sees only --driver ray).
+        raise RunInCaller(f"the {cfg.driver} driver runs in the calling process")
     secrets = _read_secrets(args.secret, con)
     store = ViolationStore(db_path(args, file_cfg, con))
     # The local server reaps leftovers on its own schedule, not before every request.

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any, Final
 
-from devs_sandbox.cli.console import EXIT_CANNOT_RUN, PROG, Console
+from devs_sandbox.cli.console import EXIT_CANNOT_RUN, PROG, Console, RunInCaller
 from devs_sandbox.cli.fast import _FRAME_LEN, HEADER_LIMIT, PROTOCOL, peer_uid
 
 logger = logging.getLogger(__name__)
@@ -182,7 +182,11 @@ class Server:
                 self.last_request = time.monotonic()
             signalled: list[int] = []
             threading.Thread(target=_watch, args=(conn, con, signalled), daemon=True).start()
-            status = _run(request["argv"], con)
+            try:
+                status = _run(request["argv"], con)
+            except RunInCaller as exc:
+                conn.sendall(_frame({"fallback": str(exc)}))
+                return
             if signalled:
                 status = 128 + signalled[0]
             with contextlib.suppress(OSError):
@@ -205,6 +209,8 @@ def _run(argv: list[str], con: Console) -> int:
 
     try:
         return main(argv, console=con)
+    except RunInCaller:
+        raise
     except BaseException as exc:  # a bug of ours must not take the server down
         with contextlib.suppress(Exception):
             print(f"{PROG}: internal error: {type(exc).__name__}: {exc}", file=con.err)
