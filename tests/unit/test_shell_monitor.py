@@ -12,6 +12,7 @@ import logging
 import math
 import threading
 from collections.abc import Sequence
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -185,7 +186,9 @@ def test_breach_iff_a_trailing_window_averages_a_full_core(
         window = cpus[max(0, i + 1 - size) : i + 1]
         if len(window) * interval + 5 < sustained:  # half a tick of slack
             continue
-        if round(sum(window) / len(window), 1) >= threshold:
+        # The mean in exact arithmetic, to tenths with halves up (the policy's rounding).
+        mean = Fraction(sum(Fraction(str(c)) for c in window), len(window))
+        if math.floor(mean * 10 + Fraction(1, 2)) / 10 >= threshold:
             expected = i
             break
     got: int | None = None

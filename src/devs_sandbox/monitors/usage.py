@@ -22,6 +22,8 @@ Linux), off by up to a tick at each end of the window, plus 1% for interrupts:
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Final, Literal
@@ -43,6 +45,16 @@ def cpu_busy_threshold(window_ms: int) -> float:
     """
     tick_percent = ONE_CORE_PERCENT * 2 * CLOCK_TICK_S / (window_ms / 1000)
     return ONE_CORE_PERCENT - min(CPU_MAX_SLACK_PERCENT, CPU_INTERRUPT_SLACK_PERCENT + tick_percent)
+
+
+def _tenths(percent: float) -> float:
+    """``percent`` to one decimal, halves up, the same on every host.
+
+    A mean that is exactly x.x5 in decimal is a hair above or below it in binary depending
+    on the order of the additions; the 1e-9 nudge makes such ties round up every time
+    (measurements are never that close to a tie by chance).
+    """
+    return math.floor(percent * 10 + 0.5 + 1e-9) / 10
 
 
 # -- policy -----------------------------------------------------------------------------
@@ -91,14 +103,16 @@ class ResourcePolicy:
     def _slide(self, interval_s: float, demand_percent: float) -> None:
         used = demand_percent / ONE_CORE_PERCENT * interval_s
         self._window.append((interval_s, used))
-        self._span_s += interval_s
-        self._used_s += used
         sustained_s = self.cpu_sustained_ms / 1000
+        span = math.fsum(i for i, _ in self._window)
         # Drop the oldest samples while the rest still cover the whole window.
-        while len(self._window) > 1 and self._span_s - self._window[0][0] >= sustained_s:
-            old_interval, old_used = self._window.popleft()
-            self._span_s -= old_interval
-            self._used_s -= old_used
+        while len(self._window) > 1 and span - self._window[0][0] >= sustained_s:
+            span = math.fsum(i for i, _ in itertools.islice(self._window, 1, None))
+            self._window.popleft()
+        # Summed afresh (correctly rounded) rather than kept as a running total: the
+        # window slides for hours, and a drifting total would move the verdict.
+        self._span_s = span
+        self._used_s = math.fsum(u for _, u in self._window)
 
     def check(self, sample: TreeSample) -> LimitBreach | None:
         if sample.rss_bytes > self.rss_limit_bytes:
@@ -118,7 +132,7 @@ class ResourcePolicy:
         # Half a tick of slack: ten 1 s samples that measured 0.9999 s each still span 10 s.
         if self._span_s + CLOCK_TICK_S / 2 < self.cpu_sustained_ms / 1000:
             return None
-        mean = round(self._used_s / self._span_s * ONE_CORE_PERCENT, 1)
+        mean = _tenths(self._used_s / self._span_s * ONE_CORE_PERCENT)
         if mean < self.cpu_busy_percent:
             return None
         what = "CPU time" if runnable is None else "CPU time plus time waiting for a CPU"
