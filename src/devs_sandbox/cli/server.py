@@ -69,6 +69,11 @@ class Server:
         self._lock_fd = lock_fd  # held for the server's life
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
+        # The pid file before the socket, so whoever sees the socket finds it; whole or
+        # absent, never empty: written aside and renamed into place.
+        pid_tmp = Path(f"{self.path}.pid.{os.getpid()}")
+        pid_tmp.write_text(f"{os.getpid()}\n")
+        pid_tmp.replace(self.path + ".pid")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)
         try:
@@ -78,7 +83,6 @@ class Server:
         sock.listen(64)
         self.sock = sock
         self.inode = os.stat(self.path).st_ino
-        Path(self.path + ".pid").write_text(f"{os.getpid()}\n")
         return True
 
     def warm(self) -> None:
