@@ -654,3 +654,34 @@ def test_a_task_that_exits_1_is_not_taken_for_a_missing_command() -> None:
     script = "echo 'sh: 1: nope: not found' >&2; exit 1"
     out = manager().run_in_sandbox(["sh", "-c", script], config())
     assert out.exit_code == 1
+
+
+@pytest.mark.root
+def test_a_shared_uid_without_cgroups_gets_its_process_limit_on_top_of_what_it_runs() -> None:
+    """RLIMIT_NPROC counts every process of a uid. A sandbox that shares one (the caller's,
+    without root; here nobody) used to inherit the limit as is, so `--max-processes 5` could
+    stop even `true` while the uid ran five others. The limit is an allowance on top of
+    them now, it still stops a fork loop, and the result says how it held."""
+    setpriv = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "sleep", "120"]
+    held = [subprocess.Popen(setpriv) for _ in range(8)]
+    try:
+        weak = config(
+            quotas={"process_count_limit": 5},
+            isolation={
+                "run_as_user": "nobody",
+                "use_cgroups": False,
+                "allow_weaker_isolation": True,
+            },
+        )
+        m = manager()
+        ok = m.run_in_sandbox("true", weak)
+        assert ok.exit_code == 0, ok.result.stderr.text
+        assert any("RLIMIT_NPROC of uid 65534" in w for w in ok.warnings), ok.warnings
+        assert any(w.startswith("memory:") and "RLIMIT_AS" in w for w in ok.warnings)
+        bomb = m.run_in_sandbox("for i in $(seq 1 40); do sleep 1 & done; wait; echo all", weak)
+        assert "all" not in bomb.result.stdout.text
+        assert "fork" in bomb.result.stderr.text.lower(), bomb.result.stderr.text
+    finally:
+        for p in held:
+            p.kill()
+            p.wait()

@@ -107,7 +107,32 @@ def plan(host: HostSupport, config: SandboxLifecycleConfig, uid: int) -> Plan:
         report["tmpfs-workspace"] = host.tmpfs[1]
     if uid == 0:
         report["unprivileged-user"] = "sandbox runs as root (isolation.runAsUser)"
-    return Plan(report, launcher, bwrap_path, network)
+    fallbacks = limit_fallbacks(config, uid) if report["cgroup"] else ()
+    return Plan(report, launcher, bwrap_path, network, fallbacks)
+
+
+def limit_fallbacks(config: SandboxLifecycleConfig, uid: int) -> tuple[str, ...]:
+    """What the memory and process limits become without a cgroup, said plainly: both
+    still hold, but not as the cgroup would hold them."""
+    q = config.quotas
+    out: list[str] = []
+    if q.address_space_bytes is None:
+        out.append(
+            f"memory: without a memory cgroup the memory limit ({q.memory_bytes} bytes) is "
+            "RLIMIT_AS, a cap on address space rather than resident memory: a task over it "
+            "sees allocations fail (MemoryError, ENOMEM) instead of a kill with 137, and "
+            "runtimes that reserve address space up front (Node.js, the JVM, Go) may not "
+            "start under it"
+        )
+    if uid == 0:
+        out.append("processes: RLIMIT_NPROC does not hold root: no process limit")
+    elif not (SANDBOX_UID_BASE <= uid < SANDBOX_UID_BASE + SANDBOX_UID_SPAN):
+        out.append(
+            f"processes: without a pids cgroup the process limit is RLIMIT_NPROC of uid "
+            f"{uid}, which the sandbox shares: each command may start "
+            f"{q.process_count_limit} beyond the processes that uid already runs"
+        )
+    return tuple(out)
 
 
 def _namespaces(

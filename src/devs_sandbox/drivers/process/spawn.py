@@ -31,7 +31,14 @@ from devs_sandbox.drivers.linux import DEFAULT_PATH
 from devs_sandbox.drivers.process.areas import secret_pipes
 from devs_sandbox.drivers.process.state import Box
 from devs_sandbox.errors import DriverError, IsolationUnavailableError
-from devs_sandbox.isolation import bwrap, drop_privileges_argv, layout, unshare
+from devs_sandbox.isolation import (
+    SANDBOX_UID_BASE,
+    SANDBOX_UID_SPAN,
+    bwrap,
+    drop_privileges_argv,
+    layout,
+    unshare,
+)
 from devs_sandbox.security.environment import EnvironmentSanitizer
 
 # The shim and setpriv run as root in the host's namespaces: they get this environment
@@ -127,9 +134,41 @@ def rlimits(box: Box) -> list[tuple[int, int]]:
     elif not has_cgroup:
         limits.append((resource.RLIMIT_AS, q.memory_bytes))
     if not has_cgroup:
-        # Per uid, not per sandbox, and ignored for root: a last resort only.
-        limits.append((resource.RLIMIT_NPROC, q.process_count_limit))
+        # Per uid, not per sandbox, and ignored for root: a last resort only. A uid the
+        # sandbox shares (the caller's own, without root) already runs other processes,
+        # which count too: the limit becomes an allowance on top of them, or even `true`
+        # could not start under `--max-processes 5`.
+        extra = 0 if owns_uid(box.uid) else tasks_of_uid(box.uid)
+        limits.append((resource.RLIMIT_NPROC, q.process_count_limit + extra))
     return limits
+
+
+def owns_uid(uid: int) -> bool:
+    """Whether ``uid`` is one of the sandbox uids root hands out, one per sandbox (else
+    it is shared: the caller's own, nobody, or one the operator named)."""
+    return SANDBOX_UID_BASE <= uid < SANDBOX_UID_BASE + SANDBOX_UID_SPAN
+
+
+def tasks_of_uid(uid: int) -> int:
+    """The tasks (threads) whose real uid is ``uid``: what RLIMIT_NPROC counts."""
+    count = 0
+    with os.scandir("/proc") as entries:
+        for entry in entries:
+            if not entry.name.isdigit():
+                continue
+            try:
+                status = Path(entry.path, "status").read_bytes()
+            except OSError:  # gone meanwhile, or not ours to read
+                continue
+            real = threads = -1
+            for line in status.splitlines():
+                if line.startswith(b"Uid:"):
+                    real = int(line.split()[1])
+                elif line.startswith(b"Threads:"):
+                    threads = int(line.split()[1])
+            if real == uid and threads > 0:
+                count += threads
+    return count
 
 
 def drop_argv(box: Box) -> list[str]:

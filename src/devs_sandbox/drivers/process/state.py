@@ -32,12 +32,15 @@ class Plan:
     launcher: str | None  # "bwrap", "unshare", or None without namespaces
     bwrap_path: str | None
     network: str  # "none" (own namespace, no route), "pasta", or "host"
+    limit_fallbacks: tuple[str, ...] = ()  # how limits hold without a cgroup
 
     def warnings(self) -> tuple[str, ...]:
         """One entry per default layer not in effect, with the reason."""
         out = [f"{m}: {why}" for m, why in self.report.items() if why]
         if self.network == "host":
             out.append("network: the sandbox shares the host's network namespace")
+        if self.report.get("cgroup"):
+            out += self.limit_fallbacks
         return tuple(out)
 
 
