@@ -138,10 +138,16 @@ def build_parser() -> _Parser:
         metavar="N",
         help="CPU cap in cores (default 1; 0 lifts the cap)",
     )
-    run.add_argument("--max-processes", type=_positive_int, metavar="N")
-    run.add_argument("--max-files", type=_positive_int, metavar="N")
-    run.add_argument("--max-depth", type=_positive_int, metavar="N")
-    run.add_argument("--max-file-size", type=parse_size, metavar="SIZE")
+    run.add_argument(
+        "--max-processes", type=_positive_int, metavar="N", help="process cap (pids cgroup)"
+    )
+    run.add_argument("--max-files", type=_positive_int, metavar="N", help="files in the workspace")
+    run.add_argument(
+        "--max-depth", type=_positive_int, metavar="N", help="directory depth in the workspace"
+    )
+    run.add_argument(
+        "--max-file-size", type=parse_size, metavar="SIZE", help="size of any one file"
+    )
     run.add_argument(
         "--max-output",
         type=parse_size,
@@ -161,7 +167,14 @@ def build_parser() -> _Parser:
         metavar="CMD",
         help="shell command run before the task (repeatable)",
     )
-    run.add_argument("--env", action="append", default=[], type=_env_pair, metavar="KEY=VALUE")
+    run.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        type=_env_pair,
+        metavar="KEY=VALUE",
+        help="set a variable in the sandbox (repeatable); the host's are not inherited",
+    )
     run.add_argument(
         "--network",
         action=argparse.BooleanOptionalAction,
@@ -202,7 +215,12 @@ def build_parser() -> _Parser:
         help="deliver a secret as a 0400 file whose path is in NAME_FILE: from FILE, "
         "or from this command's environment variable NAME (repeatable)",
     )
-    run.add_argument("--sandbox-id", type=_sandbox_id, metavar="ID")
+    run.add_argument(
+        "--sandbox-id",
+        type=_sandbox_id,
+        metavar="ID",
+        help="a fixed id: letters, digits, ., _, -, at most 64",
+    )
     run.add_argument(
         "--require",
         action="append",
@@ -219,26 +237,48 @@ def build_parser() -> _Parser:
         help="run even where a layer the defaults promise (namespaces, seccomp) is missing; "
         "each missing layer is named on stderr",
     )
-    run.add_argument("--config", type=Path, metavar="PATH")
+    run.add_argument(
+        "--config",
+        type=Path,
+        metavar="PATH",
+        help="config file (else DEVS_SANDBOX_CONFIG, the user's, the host's)",
+    )
     run.add_argument("--db", type=Path, metavar="PATH", help="violation store (SQLite)")
     run.add_argument("--json", action="store_true", help="print one JSON object at the end")
     add_cluster_options(run)
     run.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND [ARG...]")
 
     vio = sub.add_parser("violations", help="list recorded violations")
-    vio.add_argument("--db", type=Path, metavar="PATH")
-    vio.add_argument("--config", type=Path, metavar="PATH")
-    vio.add_argument("--sandbox-id", metavar="ID")
-    vio.add_argument("--limit", type=_positive_int, default=None, metavar="N")
-    vio.add_argument("--json", action="store_true")
+    vio.add_argument("--db", type=Path, metavar="PATH", help="violation store (SQLite)")
+    vio.add_argument(
+        "--config",
+        type=Path,
+        metavar="PATH",
+        help="config file (else DEVS_SANDBOX_CONFIG, the user's, the host's)",
+    )
+    vio.add_argument("--sandbox-id", metavar="ID", help="only this sandbox's")
+    vio.add_argument(
+        "--limit", type=_positive_int, default=None, metavar="N", help="the newest N only"
+    )
+    vio.add_argument("--json", action="store_true", help="one JSON object on stdout")
 
     doc = sub.add_parser("doctor", help="show which isolation this host supports, and why not")
-    doc.add_argument("--config", type=Path, metavar="PATH")
-    doc.add_argument("--json", action="store_true")
+    doc.add_argument(
+        "--config",
+        type=Path,
+        metavar="PATH",
+        help="config file (else DEVS_SANDBOX_CONFIG, the user's, the host's)",
+    )
+    doc.add_argument("--json", action="store_true", help="one JSON object on stdout")
 
     clean = sub.add_parser("cleanup", help="reap sandboxes left behind by dead processes")
-    clean.add_argument("--config", type=Path, metavar="PATH")
-    clean.add_argument("--json", action="store_true")
+    clean.add_argument(
+        "--config",
+        type=Path,
+        metavar="PATH",
+        help="config file (else DEVS_SANDBOX_CONFIG, the user's, the host's)",
+    )
+    clean.add_argument("--json", action="store_true", help="one JSON object on stdout")
     clean.add_argument(
         "--driver",
         choices=["process", "docker", "kubernetes"],
@@ -259,7 +299,12 @@ def build_parser() -> _Parser:
         "config.json, the user's config, --config / DEVS_SANDBOX_CONFIG, or ./devs.config.json "
         "(which may only tighten).",
     )
-    show.add_argument("--config", type=Path, metavar="PATH")
+    show.add_argument(
+        "--config",
+        type=Path,
+        metavar="PATH",
+        help="config file (else DEVS_SANDBOX_CONFIG, the user's, the host's)",
+    )
     show.add_argument("--json", action="store_true", help="{config, sources} as JSON")
     _add_image_parser(sub)
     return parser
@@ -291,7 +336,9 @@ def _add_kubernetes_parser(sub: Any) -> None:
         description="Print the objects `devs-sandbox run --driver kubernetes [run options]` "
         "would create (like kubectl create --dry-run=client). Accepts every run option.",
     )
-    man.add_argument("--output", choices=["json", "yaml"], default="yaml")
+    man.add_argument(
+        "--output", choices=["json", "yaml"], default="yaml", help="format (default: yaml)"
+    )
     man.add_argument(
         "--server-version",
         default="1.28",
@@ -322,7 +369,12 @@ def _add_mcp_parser(sub: Any) -> None:
         help="HTTP: require 'Authorization: Bearer TOKEN' on every request, TOKEN being this "
         "file's one line (mode 600, read once at start)",
     )
-    mcp.add_argument("--config", type=Path, metavar="PATH")
+    mcp.add_argument(
+        "--config",
+        type=Path,
+        metavar="PATH",
+        help="config file (else DEVS_SANDBOX_CONFIG, the user's, the host's)",
+    )
     mcp.add_argument("--db", type=Path, metavar="PATH", help="violation store (SQLite)")
 
 
