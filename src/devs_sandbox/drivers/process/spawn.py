@@ -13,13 +13,16 @@ for a fork bomb to start outside them.
 
 from __future__ import annotations
 
+import array
 import contextlib
+import fcntl
 import json
 import os
 import resource
 import select
 import shlex
 import subprocess
+import termios
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -63,6 +66,7 @@ class Launch:
     info_r: int | None = None
     block_w: int | None = None
     status_r: int | None = None
+    started_probe: int | None = None  # our copy of bwrap's --block-fd read end
     pasta_pidfds: list[int] = field(default_factory=list)
 
     def child(self, fd: int) -> int:
@@ -72,6 +76,20 @@ class Launch:
     def parent(self, fd: int) -> int:
         self.parent_fds.append(fd)
         return fd
+
+    def never_started(self) -> bool:
+        """After bwrap ended: whether it died before its last step before the command
+        (reading the byte on ``--block-fd``, after every mount), so the command never ran
+        and the run may be tried again. The byte still in the pipe says so; a task cannot
+        forge it (it never holds the pipe's write end, and bwrap closes the read end)."""
+        if self.started_probe is None:
+            return False
+        buf = array.array("i", [0])
+        try:
+            fcntl.ioctl(self.started_probe, termios.FIONREAD, buf)
+        except OSError:
+            return False
+        return buf[0] > 0
 
     def close_child_ends(self) -> None:
         """After the child started: our copies of its ends, so EOF on a handshake pipe
@@ -236,6 +254,16 @@ def prepare_launch(
         launch.info_r, launch.block_w = launch.parent(info_r), launch.parent(block_w)
         launch.child(info_w)
         launch.child(block_r)
+    elif box.launcher == "bwrap":
+        # bwrap reads one byte from --block-fd after its mounts, just before the command:
+        # given at once here, it is only there to tell a failed setup from a failed
+        # command afterwards (``Launch.never_started``).
+        block_r, block_w = os.pipe()
+        os.write(block_w, b"1")
+        launch.parent(block_w)
+        launch.child(block_r)
+    if block_r is not None:
+        launch.started_probe = launch.parent(os.dup(block_r))
     launch.env = dict(PRIVILEGED_ENV)
     if box.launcher == "bwrap":
         assert box.bwrap_path is not None and lay is not None
