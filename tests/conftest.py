@@ -54,6 +54,10 @@ def _capabilities() -> dict[str, str]:
     caps["docker"] = _docker_reason()
     caps["ray"] = _ray_reason()
     caps["node"] = _node_reason()
+    for shell in ("zsh", "fish"):  # shell completion is tested in each real shell
+        caps[shell] = (
+            "" if shutil.which(shell) else f"{shell} not installed (apt-get install {shell})"
+        )
     caps["cgroup_v2"] = (
         ""
         if host.cgroup.version == 2
@@ -116,7 +120,18 @@ def _node_reason() -> str:
 
 _CAPS: dict[str, str] = {}
 # Markers whose absence on a REQUIRE_ALL host is a CI failure, not a skip.
-_REQUIRED_ON_CI = {"root", "cgroups", "bwrap", "unshare", "tmpfs", "docker", "ray", "node"}
+_REQUIRED_ON_CI = {
+    "root",
+    "cgroups",
+    "bwrap",
+    "unshare",
+    "tmpfs",
+    "docker",
+    "ray",
+    "node",
+    "zsh",
+    "fish",
+}
 
 
 def caps() -> dict[str, str]:
@@ -136,6 +151,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         "cgroup_v2",
         "ray",
         "node",
+        "zsh",
+        "fish",
     ):
         if item.get_closest_marker(name) is None:
             continue

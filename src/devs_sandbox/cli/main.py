@@ -44,6 +44,10 @@ def _command(name: str) -> Any:
         from devs_sandbox.cli.run import cmd_run  # noqa: PLC0415
 
         return cmd_run
+    if name == "completion":  # the one command that imports shtab
+        from devs_sandbox.cli.completion import cmd_completion  # noqa: PLC0415
+
+        return cmd_completion
     from devs_sandbox.cli import commands  # noqa: PLC0415
 
     return getattr(commands, f"cmd_{name}")

@@ -307,6 +307,7 @@ def build_parser() -> _Parser:
     )
     show.add_argument("--json", action="store_true", help="{config, sources} as JSON")
     _add_image_parser(sub)
+    _add_completion_parser(sub)
     return parser
 
 
@@ -407,3 +408,20 @@ def _add_image_parser(sub: Any) -> None:
     build.add_argument("--tag", metavar="NAME[:TAG]", help="also tag the image as NAME[:TAG]")
     build.add_argument("--force", action="store_true", help="rebuild even if it is cached")
     build.add_argument("--json", action="store_true", help="print one JSON object at the end")
+
+
+def _add_completion_parser(sub: Any) -> None:
+    shells = ("bash", "zsh", "fish")
+    comp = sub.add_parser(
+        "completion",
+        help="print the shell completion script for bash, zsh or fish",
+        description="Print the completion script of SHELL on stdout, written from this very "
+        "command line: every subcommand, option and choice, paths for options that take one.",
+        epilog="install it where the shell looks for completions:\n"
+        f"  bash  {PROG} completion bash > ~/.local/share/bash-completion/completions/{PROG}\n"
+        f"  zsh   {PROG} completion zsh > DIR/_{PROG}   (DIR on $fpath, before compinit)\n"
+        f"  fish  {PROG} completion fish > ~/.config/fish/completions/{PROG}.fish\n"
+        f"or load it into the running shell: source <({PROG} completion bash)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    comp.add_argument("shell", choices=shells, metavar="SHELL", help=" or ".join(shells))
