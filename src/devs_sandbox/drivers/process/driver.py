@@ -316,9 +316,11 @@ class ProcessDriver:
         first, total_s = time.monotonic(), request.timeout_s
         for attempt in range(1, LAUNCH_ATTEMPTS + 1):
             launch = spawn.Launch()
+            held = spawn.HeldOutput(launch, request.on_stdout, request.on_stderr)
             try:
-                result = self._launch(box, request, env, launch, cap=cap, cwd=cwd)
+                result = self._launch(box, held.request(request), env, launch, cap=cap, cwd=cwd)
                 if not launch.never_started() or attempt == LAUNCH_ATTEMPTS:
+                    held.flush()
                     return result
             finally:
                 launch.close()

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import array
 import contextlib
+import dataclasses
 import fcntl
+import functools
 import json
 import os
 import resource
@@ -29,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Final
 
+from devs_sandbox.base import ExecRequest, OutputCallback
 from devs_sandbox.drivers import exec_io
 from devs_sandbox.drivers.linux import DEFAULT_PATH
 from devs_sandbox.drivers.process.areas import secret_pipes
@@ -105,6 +108,49 @@ class Launch:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self.parent_fds.clear()
+
+
+class HeldOutput:
+    """The caller's output callbacks, held back while bwrap has not yet reached the
+    command: what arrives then is bwrap's own setup message, which a retried launch must
+    not stream to the caller. Passed through, in order, from the first chunk after."""
+
+    def __init__(
+        self, launch: Launch, on_stdout: OutputCallback | None, on_stderr: OutputCallback | None
+    ) -> None:
+        self._launch = launch
+        self._sinks = (on_stdout, on_stderr)
+        self._held: list[tuple[int, bytes]] = []
+        self._open = False  # until bwrap took its byte (or there is no bwrap)
+
+    def request(self, request: ExecRequest) -> ExecRequest:
+        if self._sinks == (None, None):
+            return request
+        out, err = self._sinks
+        return dataclasses.replace(
+            request,
+            on_stdout=None if out is None else functools.partial(self._chunk, 0),
+            on_stderr=None if err is None else functools.partial(self._chunk, 1),
+        )
+
+    def _chunk(self, which: int, data: bytes) -> None:
+        if not self._open:
+            if self._launch.never_started():
+                self._held.append((which, data))
+                return
+            self.flush()
+        sink = self._sinks[which]
+        if sink is not None:
+            sink(data)
+
+    def flush(self) -> None:
+        """Hand over what was held (the command ran, or this was the last try)."""
+        self._open = True
+        held, self._held = self._held, []
+        for which, data in held:
+            sink = self._sinks[which]
+            if sink is not None:
+                sink(data)
 
 
 def sandbox_env(
