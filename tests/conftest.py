@@ -164,6 +164,30 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         pytest.skip(reason)
 
 
+# -- the long MCP call, in the background -----------------------------------------------
+LONG_CALL_TEST = "test_a_call_longer_than_the_typescript_timeout_completes_on_progress"
+LONG_CALL_MODULE = "tests.integration.test_mcp_clients"
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the 90 s TypeScript-client call now when it is among the tests to run (and
+    can run here), so its wait overlaps the rest of the suite; the test collects it."""
+    if session.config.option.collectonly or caps().get("node"):
+        return
+    if any(item.name == LONG_CALL_TEST for item in session.items):
+        clients = sys.modules[LONG_CALL_MODULE]  # collected, so imported
+        clients.long_call = clients.start_long_call(
+            Path(tempfile.mkdtemp(prefix="devs-test-long-call-"))
+        )
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """A session cut short (-x, ^C) does not leave the long call running."""
+    clients = sys.modules.get(LONG_CALL_MODULE)
+    if clients is not None and getattr(clients, "long_call", None) is not None:
+        clients.long_call[1].stop()
+
+
 # -- leak check -------------------------------------------------------------------------
 def _ours() -> set[int]:
     try:

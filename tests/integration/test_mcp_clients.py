@@ -58,26 +58,59 @@ def server_args(server: Server) -> dict[str, Any]:
     return {"command": sys.executable, "args": server.args, "cwd": str(server.db.parent)}
 
 
+class TsClient:
+    """tests/mcp_clients/ts_client.mjs against a fresh server, started at once; ``report``
+    waits for its JSON report."""
+
+    def __init__(self, tmp_path: Path, server: Server, calls: list[dict[str, Any]]) -> None:
+        self.server = server
+        spec = tmp_path / "spec.json"
+        spec.write_text(json.dumps({**server_args(server), "calls": calls}))
+        self.proc = subprocess.Popen(
+            ["node", str(CLIENTS / "ts_client.mjs"), str(spec)],
+            cwd=CLIENTS,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    def report(self) -> dict[str, Any]:
+        try:
+            out, err = self.proc.communicate(timeout=NODE_TIMEOUT_S)
+        finally:
+            self.stop()
+        assert self.proc.returncode == 0, err[-3000:]
+        report: dict[str, Any] = json.loads(out)
+        for call in report["calls"]:
+            result = call.get("result") or {}
+            data = result.get("structuredContent") or {}
+            if isinstance(data.get("sandbox_id"), str):
+                self.server.sandbox_ids.add(data["sandbox_id"])
+        return report
+
+    def stop(self) -> None:
+        """Kill the client if it still runs (its server then reads EOF and cleans up)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.communicate()
+
+
 def ts_client(tmp_path: Path, server: Server, calls: list[dict[str, Any]]) -> dict[str, Any]:
     """Run tests/mcp_clients/ts_client.mjs against a fresh server; its JSON report."""
-    spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps({**server_args(server), "calls": calls}))
-    done = subprocess.run(
-        ["node", str(CLIENTS / "ts_client.mjs"), str(spec)],
-        cwd=CLIENTS,
-        capture_output=True,
-        text=True,
-        timeout=NODE_TIMEOUT_S,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    report: dict[str, Any] = json.loads(done.stdout)
-    for call in report["calls"]:
-        result = call.get("result") or {}
-        data = result.get("structuredContent") or {}
-        if isinstance(data.get("sandbox_id"), str):
-            server.sandbox_ids.add(data["sandbox_id"])
-    return report
+    return TsClient(tmp_path, server, calls).report()
+
+
+# Started by tests/conftest.py as soon as the session's tests are collected, when they
+# include the long-call test: its 90 s of waiting then overlap the rest of the suite.
+long_call: tuple[Server, TsClient] | None = None
+
+
+def start_long_call(tmp_path: Path) -> tuple[Server, TsClient]:
+    server = Server(tmp_path, config={"mcp": {"timeoutS": LONG_CALL_S + 60}})
+    seconds = int(LONG_CALL_S)
+    command = f"i=0; while [ $i -lt {seconds} ]; do echo tick $i; sleep 1; i=$((i+1)); done"
+    calls = [{"name": "run_shell_monitored", "arguments": {"command": command}, "progress": True}]
+    return server, TsClient(tmp_path, server, calls)
 
 
 def ts_text(call: dict[str, Any]) -> str:
@@ -193,15 +226,11 @@ def test_a_call_longer_than_the_typescript_timeout_completes_on_progress(
 ) -> None:
     """A ``LONG_CALL_S`` call (90 s) in the TypeScript client with its default 60 s request
     timeout: it completes because the server reports progress and the client resets its
-    timeout on each notification, as hosts configure it."""
-    server = Server(tmp_path, config={"mcp": {"timeoutS": LONG_CALL_S + 60}})
+    timeout on each notification, as hosts configure it. (Started in the background when
+    the session's tests were collected; started here when run on its own.)"""
+    server, client = long_call if long_call is not None else start_long_call(tmp_path)
     seconds = int(LONG_CALL_S)
-    command = f"i=0; while [ $i -lt {seconds} ]; do echo tick $i; sleep 1; i=$((i+1)); done"
-    report = ts_client(
-        tmp_path,
-        server,
-        [{"name": "run_shell_monitored", "arguments": {"command": command}, "progress": True}],
-    )
+    report = client.report()
     (call,) = report["calls"]
     assert call["ok"], call.get("error")
     data = json.loads(call["result"]["content"][0]["text"])
