@@ -673,13 +673,38 @@ def render_schema() -> str:
     return json.dumps(config_json_schema(), indent=2, sort_keys=True) + "\n"
 
 
+APP_NAME: Final = "devs-sandbox"
+_XDG_USER_DIRS: Final = {
+    "data": ("XDG_DATA_HOME", ".local/share"),
+    "config": ("XDG_CONFIG_HOME", ".config"),
+}
+
+
+def user_dir(kind: Literal["data", "config"], env: Mapping[str, str] | None = None) -> Path:
+    """This user's devs-sandbox data or config directory, by the XDG base directory spec.
+
+    Our own process's environment is platformdirs' business (its Unix flavour on every OS,
+    so macOS keeps the XDG paths it has always had). An explicit ``env`` is another
+    process's: the warm server computes paths for its client's environment, and
+    platformdirs reads ``os.environ`` only, so that case is resolved here the same way
+    (a relative or empty XDG_* is ignored, as the spec says; tests check that both agree).
+    """
+    if env is None:
+        from platformdirs.unix import Unix  # noqa: PLC0415  # lazy: ~18 ms of imports
+
+        unix = Unix(APP_NAME)
+        return Path(unix.user_data_dir if kind == "data" else unix.user_config_dir)
+    var, fallback = _XDG_USER_DIRS[kind]
+    base = env.get(var, "")
+    if not base.startswith("/"):
+        home = env.get("HOME", "")
+        base = str((Path(home) if home.startswith("/") else Path.home()) / fallback)
+    return Path(base) / APP_NAME
+
+
 def default_db_path(env: Mapping[str, str] | None = None) -> Path:
     """$DEVS_SANDBOX_DB, else the XDG data directory (of ``env``, default ours)."""
-    env = os.environ if env is None else env
-    explicit = env.get("DEVS_SANDBOX_DB")
+    explicit = (os.environ if env is None else env).get("DEVS_SANDBOX_DB")
     if explicit:
         return Path(explicit)
-    base = env.get("XDG_DATA_HOME") or str(
-        Path(env.get("HOME") or Path.home()) / ".local" / "share"
-    )
-    return Path(base) / "devs-sandbox" / "devs.db"
+    return user_dir("data", env) / "devs.db"

@@ -33,7 +33,13 @@ from typing import Any, Final
 
 from pydantic import BaseModel
 
-from devs_sandbox.config import CONFIG_FILE_NAME, DevsConfig, parse_config, read_config_file
+from devs_sandbox.config import (
+    CONFIG_FILE_NAME,
+    DevsConfig,
+    parse_config,
+    read_config_file,
+    user_dir,
+)
 from devs_sandbox.errors import ConfigError, UntrustedConfigError
 
 SYSTEM_CONFIG: Final = Path("/etc/devs-sandbox/config.json")
@@ -241,9 +247,7 @@ class LoadedConfig:
 
 
 def user_config_path(env: Mapping[str, str] | None = None) -> Path:
-    env = os.environ if env is None else env
-    base = env.get("XDG_CONFIG_HOME") or str(Path(env.get("HOME") or Path.home()) / ".config")
-    return Path(base) / "devs-sandbox" / "config.json"
+    return user_dir("config", env) / "config.json"
 
 
 def load_layered_config(

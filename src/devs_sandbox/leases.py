@@ -100,6 +100,8 @@ def default_lease_dir() -> Path:
     It must not depend on TMPDIR: a reaper that looked in another directory would take a
     live sandbox for a lease-less leftover. Root's sandboxes own host-wide resources
     (cgroups, mounts), so root's leases live in /run; a user's in its runtime directory.
+    (Not platformdirs: without XDG_RUNTIME_DIR it picks /tmp/runtime-UID, which would move
+    the leases of running versions out of their reaper's sight; it knows nothing of /run.)
     """
     uid = os.geteuid() if hasattr(os, "geteuid") else 0
     if uid == 0 and Path("/run").is_dir() and os.access("/run", os.W_OK):

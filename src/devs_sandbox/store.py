@@ -16,7 +16,6 @@ import json
 import logging
 import sqlite3
 import threading
-import time
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any, Final
@@ -59,6 +58,10 @@ COLUMNS: Final = (
 
 BUSY_TIMEOUT_S: Final = 10.0  # how long one statement waits for another process's lock
 LOCKED_RETRIES: Final = 5  # extra attempts when the lock outlives the busy timeout
+
+
+def _locked(exc: BaseException) -> bool:
+    return isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc)
 
 
 class ViolationStore:
@@ -147,20 +150,20 @@ class ViolationStore:
             f"VALUES ({', '.join('?' for _ in COLUMNS)})"
         )
         params = tuple(row[c] for c in COLUMNS)
-        for attempt in range(LOCKED_RETRIES + 1):
-            try:
-                with self._lock:
-                    conn = self._connect()
-                    conn.execute(sql, params)
-            except sqlite3.OperationalError as exc:
-                if "locked" in str(exc) and attempt < LOCKED_RETRIES:
-                    time.sleep(0.05 * (2**attempt))
-                    continue
-                raise StoreError(f"cannot record violation in {self.path}: {exc}") from exc
-            except sqlite3.Error as exc:
-                raise StoreError(f"cannot record violation in {self.path}: {exc}") from exc
-            else:
-                return
+        import tenacity  # noqa: PLC0415  # ~10 ms, paid by the first violation only
+
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception(_locked),
+            stop=tenacity.stop_after_attempt(LOCKED_RETRIES + 1),
+            wait=tenacity.wait_exponential(multiplier=0.05),  # 0.05, 0.1, 0.2 ... s
+            reraise=True,
+        )
+        try:
+            for attempt in retrying:
+                with attempt, self._lock:
+                    self._connect().execute(sql, params)
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot record violation in {self.path}: {exc}") from exc
 
     def attach(self, bus: EventBus) -> None:
         """Subscribe to ``sandbox:violation``; the bus logs (and survives) a failed write."""

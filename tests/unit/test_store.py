@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import multiprocessing
 import sqlite3
+import threading
 from pathlib import Path
 
 import pytest
 
+from devs_sandbox import store as store_module
 from devs_sandbox.errors import StoreError
 from devs_sandbox.events import EventBus, SandboxEvents
 from devs_sandbox.models import DetectionRule, Violation, ViolationType
-from devs_sandbox.store import COLUMNS, SCHEMA_VERSION, ViolationStore
+from devs_sandbox.store import COLUMNS, LOCKED_RETRIES, SCHEMA_VERSION, ViolationStore
 
 pytestmark = pytest.mark.unit
 
@@ -143,3 +145,58 @@ def test_concurrent_writers_from_several_processes_lose_nothing(db_path: Path) -
         assert p.exitcode == 0
     with ViolationStore(db_path) as store:
         assert store.count() == 240
+
+
+def _hold_write_lock(db_path: Path) -> sqlite3.Connection:
+    other = sqlite3.connect(db_path, isolation_level=None, check_same_thread=False)
+    other.execute("BEGIN IMMEDIATE")  # WAL: the one writer; ours now meets "database is locked"
+    return other
+
+
+def _inserts(store: ViolationStore) -> list[str]:
+    seen: list[str] = []
+    store._connect().set_trace_callback(
+        lambda sql: seen.append(sql) if sql.startswith("INSERT") else None
+    )
+    return seen
+
+
+def test_a_lock_that_outlives_the_busy_timeout_is_retried(
+    db_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(store_module, "BUSY_TIMEOUT_S", 0.01)
+    with ViolationStore(db_path) as store:
+        attempts = _inserts(store)
+        other = _hold_write_lock(db_path)
+        released = threading.Event()
+
+        def release() -> None:
+            while len(attempts) < 2 and not released.is_set():  # the first attempt failed
+                released.wait(0.01)
+            other.execute("COMMIT")
+
+        t = threading.Thread(target=release)
+        t.start()
+        try:
+            store.record(v("retried"))
+        finally:
+            released.set()
+            t.join()
+        other.close()
+        assert [r["sandbox_id"] for r in store.list()] == ["retried"]
+        assert 2 <= len(attempts) <= LOCKED_RETRIES + 1
+
+
+def test_a_lock_that_never_goes_is_a_store_error_after_the_last_retry(
+    db_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(store_module, "BUSY_TIMEOUT_S", 0.01)
+    with ViolationStore(db_path) as store:
+        attempts = _inserts(store)
+        other = _hold_write_lock(db_path)
+        try:
+            with pytest.raises(StoreError, match="locked"):
+                store.record(v("lost"))
+        finally:
+            other.close()
+        assert len(attempts) == LOCKED_RETRIES + 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from typing import IO, Any, Final
 
@@ -38,9 +39,17 @@ def cmd_violations(args: argparse.Namespace, con: Console) -> int:
         )
         for r in rows
     ]
+    if con.out.isatty():
+        from devs_sandbox.cli.pretty import print_violations  # noqa: PLC0415
+
+        print_violations(con.out, header, table[1:])
+        return 0
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for row in table:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+        print(
+            "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip(),
+            file=con.out,
+        )
     return 0
 
 
@@ -52,6 +61,10 @@ def cmd_doctor(args: argparse.Namespace, con: Console) -> int:
     if args.json:
         json.dump(report, con.out, indent=2)
         con.out.write("\n")
+    elif con.out.isatty():
+        from devs_sandbox.cli.pretty import print_doctor  # noqa: PLC0415
+
+        print_doctor(con.out, report)
     else:
         con.out.write(render(report))
     return 0
@@ -149,27 +162,31 @@ def cmd_mcp(args: argparse.Namespace, con: Console) -> int:
     )
 
 
+def progress_line(p: Any) -> str:
+    line = f"[{p.elapsed_s:6.1f}s] {p.phase:<11}"
+    if p.packages:
+        line += f" {p.packages:>4} steps"
+    return line + f"  {p.message}"
+
+
 class _BuildProgress:
-    """One line per phase on a pipe; one line rewritten in place on a terminal."""
+    """One line per phase (and every 50 steps) on a pipe; a terminal gets rich's live
+    display instead (cli/pretty.py)."""
 
     def __init__(self, out: IO[str]) -> None:
         self.out = out
-        self.tty = out.isatty()
         self.phase = ""
         self.shown = 0
 
+    def __enter__(self) -> _BuildProgress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
     def __call__(self, p: Any) -> None:
-        line = f"[{p.elapsed_s:6.1f}s] {p.phase:<11}"
-        if p.packages:
-            line += f" {p.packages:>4} steps"
-        line += f"  {p.message}"
-        if self.tty:
-            end = "\n" if p.phase != self.phase and self.phase else ""
-            self.out.write(f"{end}\r{line[:110]:<110}")
-            if p.phase == "done":
-                self.out.write("\n")
-        elif p.phase != self.phase or p.packages - self.shown >= 50:
-            self.out.write(line + "\n")
+        if p.phase != self.phase or p.packages - self.shown >= 50:
+            self.out.write(progress_line(p) + "\n")
             self.shown = p.packages
         self.phase = p.phase
         self.out.flush()
@@ -183,12 +200,20 @@ def cmd_image(args: argparse.Namespace, con: Console) -> int:
 
     client = connect()
     rebuilder = ImageRebuilder(client)
-    progress = None if args.json else _BuildProgress(con.err)
-    built = (
-        rebuilder.build(on_progress=progress)
-        if args.force
-        else rebuilder.ensure(on_progress=progress)
-    )
+    progress: Any = contextlib.nullcontext()
+    if not args.json:
+        if con.err.isatty():
+            from devs_sandbox.cli.pretty import BuildProgress  # noqa: PLC0415
+
+            progress = BuildProgress(con.err)
+        else:
+            progress = _BuildProgress(con.err)
+    with progress as on_progress:
+        built = (
+            rebuilder.build(on_progress=on_progress)
+            if args.force
+            else rebuilder.ensure(on_progress=on_progress)
+        )
     payload = built.to_json()
     if args.tag:
         repository, tag = docker_sdk().utils.parse_repository_tag(args.tag)

@@ -112,7 +112,7 @@ def _docker_status() -> dict[str, Any]:
     return {"available": True, "version": version, "reason": ""}
 
 
-def _who(report: dict[str, Any]) -> str:
+def who(report: dict[str, Any]) -> str:
     from devs_sandbox.isolation import SANDBOX_UID_BASE  # noqa: PLC0415
 
     uid = report["sandbox_uid"]
@@ -121,24 +121,29 @@ def _who(report: dict[str, Any]) -> str:
     return f"uid {uid}"
 
 
+def mechanism_detail(report: dict[str, Any], name: str) -> str:
+    """How an available mechanism is provided (cgroup version, bwrap's version, pasta)."""
+    detail = ""
+    if name == "cgroup":
+        detail = f"v{report['cgroup']['version']}"
+    elif name.endswith("namespace"):
+        via = report["namespaces_via"]
+        detail = str(report["bwrap"]["version"]).strip() if via == "bwrap" else via or ""
+        if name == "net-namespace":
+            pasta = report["pasta"]
+            detail += f" (--network: pasta {pasta})" if pasta else " (--network: no pasta)"
+    return detail
+
+
 def render(report: dict[str, Any]) -> str:
     lines = [
         f"devs-sandbox doctor (python {report['python']}, euid {report['euid']}, "
-        f"sandboxes run as {_who(report)})",
+        f"sandboxes run as {who(report)})",
         "",
     ]
     for name, info in report["mechanisms"].items():
         if info["available"]:
-            detail = ""
-            if name == "cgroup":
-                detail = f"v{report['cgroup']['version']}"
-            elif name.endswith("namespace"):
-                via = report["namespaces_via"]
-                detail = str(report["bwrap"]["version"]).strip() if via == "bwrap" else via or ""
-                if name == "net-namespace":
-                    pasta = report["pasta"]
-                    detail += f" (--network: pasta {pasta})" if pasta else " (--network: no pasta)"
-            lines.append(f"  {name:<18} yes  {detail}".rstrip())
+            lines.append(f"  {name:<18} yes  {mechanism_detail(report, name)}".rstrip())
         else:
             lines.append(f"  {name:<18} no   {info['reason']}")
             if info["hint"]:

@@ -28,7 +28,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_size(text: str) -> int:
-    """``64m``, ``1g``, ``512k``, ``1024``, ``10MB``, ``1GiB`` -> bytes (binary multiples)."""
+    """``64m``, ``1g``, ``512k``, ``1024``, ``10MB``, ``1GiB`` -> bytes (binary multiples).
+
+    Not pydantic's ByteSize: it reads ``64m``/``10MB`` as 10**6 multiples, where
+    ``docker run -m 64m`` (and so our users) mean MiB."""
     raw = text.strip().lower()
     for tail in ("ib", "b"):
         if raw.endswith(tail) and len(raw) > len(tail):
