@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -72,3 +74,23 @@ def test_every_option_of_every_command_has_a_line_in_help() -> None:
         return bare
 
     assert walk(build_parser(), "devs-sandbox") == []
+
+
+def test_version_is_answered_on_the_fast_path_as_argparse_would(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from devs_sandbox.cli import fast
+
+    with pytest.raises(SystemExit) as full:
+        build_parser().parse_args(["--version"])
+    assert full.value.code == 0
+    expected = capsys.readouterr().out
+    assert fast.main(["--version"]) == 0
+    assert capsys.readouterr().out == expected
+    # In a process of its own: neither argparse nor the CLI proper is loaded for it.
+    probe = (
+        "import sys; from devs_sandbox.cli.fast import main; main(['--version']); "
+        "print(sorted(m for m in ('argparse', 'devs_sandbox.cli.main') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.splitlines() == [expected.strip(), "[]"]

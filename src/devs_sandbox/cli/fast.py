@@ -38,6 +38,11 @@ _FRAME_LEN = 4
 
 def main(argv: "list[str] | None" = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    if args == ["--version"]:  # what argparse's version action prints, without argparse
+        from devs_sandbox import __version__  # noqa: PLC0415
+
+        sys.stdout.write(f"devs-sandbox {__version__}\n")
+        return 0
     # A run placed on a Ray cluster connects from this process: Ray's client belongs to
     # its caller, not to a server shared by every client of this user.
     ray = "--ray-address" in args or "--driver=ray" in args or _pair(args, "--driver", "ray")
