@@ -23,6 +23,7 @@ from devs_sandbox.exhaustion import (
 from devs_sandbox.lifecycle import SandboxLifecycleManager
 from devs_sandbox.models import SandboxContext
 from tests.docker.conftest import LABELS, SESSION, dconfig, session_containers
+from tests.helpers import background_pids
 from tests.integration.helpers import wait_for
 
 pytestmark = pytest.mark.docker
@@ -315,7 +316,8 @@ def test_shutdown_leaves_no_thread_child_or_listener(bus: EventBus) -> None:
     manager.shutdown()
     manager.shutdown()  # idempotent
     assert not [t for t in threading.enumerate() if t.name == "devs-test-watcher-4"]
-    assert not psutil.Process().children(recursive=True)
+    background = background_pids()
+    assert not [p for p in psutil.Process().children(recursive=True) if p.pid not in background]
     assert bus.listener_count(SandboxEvents.OOM) == 0
     assert bus.listener_count(SandboxEvents.CLEANUP_COMPLETE) == 0
     assert manager.state == "stopped"
