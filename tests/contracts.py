@@ -65,9 +65,14 @@ def tool_answer(result: Any) -> dict[str, Any]:
     - an error: our message, then its details as JSON; no structured content (the
       TypeScript client would check it against the tool's output schema);
     - a tool with an output schema: the JSON text and the same structured content;
-    - a run tool (no output schema): one JSON text block, the output sent once.
+    - a run tool (no output schema): one JSON text block, the output sent once;
+    - after the text, ``run_code``'s images as image content (checked by the caller).
     """
-    texts = [getattr(c, "text", None) for c in result.content]
+    blocks = list(result.content)
+    while blocks and getattr(blocks[-1], "type", None) == "image":
+        blocks.pop()
+    assert all(getattr(c, "type", None) == "text" for c in blocks), result
+    texts = [getattr(c, "text", None) for c in blocks]
     if result.is_error:
         assert result.structured_content is None, result
         assert len(texts) == 2 and all(isinstance(t, str) for t in texts), result

@@ -41,3 +41,15 @@ def test_run_code_answers_with_the_runtime_gate(manager: SandboxLifecycleManager
     assert out.exit_code == 0 and out.result.stdout.text == "42\n"
     with pytest.raises(UnsupportedRuntimeError, match="node"):
         run_code("console.log(1)", "node", dconfig(), manager=manager)
+
+
+def test_run_code_returns_images_on_docker(manager: SandboxLifecycleManager) -> None:
+    """``$DEVS_SANDBOX_OUTPUT_DIR`` is the container's own path to outputs/, and what the
+    program leaves there comes back as on the process driver."""
+    from devs_sandbox.tools.code import run_code
+    from tests.integration.test_run_code_images import PROGRAM, RETURNED, check_skipped
+
+    got = run_code(PROGRAM, "python", dconfig(), manager=manager)
+    assert got.exit_code == 3, got.result.stderr.text
+    assert {i.name: i.mime_type for i in got.images.images} == RETURNED
+    check_skipped([s.to_json() for s in got.images.skipped])

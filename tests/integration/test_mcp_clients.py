@@ -275,3 +275,28 @@ def test_progress_reaches_the_python_client(tmp_path: Path) -> None:
 
     server.run(scenario)
     server.assert_nothing_left()
+
+
+@pytest.mark.node
+def test_the_typescript_client_takes_run_code_images(tmp_path: Path) -> None:
+    """A run_code answer with image content (and a kill's error with it) is accepted by the
+    TypeScript client's result validation, and the images arrive as MCP ImageContent."""
+    from tests.integration.test_run_code_images import PROGRAM, RETURNED
+
+    server = Server(tmp_path)
+    report = ts_client(
+        tmp_path,
+        server,
+        [{"name": "run_code", "arguments": {"language": "python", "code": PROGRAM}}],
+    )
+    (call,) = report["calls"]
+    assert call["ok"], call.get("error")
+    result = call["result"]
+    assert not result.get("isError") and "structuredContent" not in result
+    text, *images = result["content"]
+    data = json.loads(text["text"])
+    assert data["exit_code"] == 3
+    assert {i["name"]: i["mime_type"] for i in data["images"]} == RETURNED
+    assert [b["type"] for b in images] == ["image", "image"]
+    assert [b["mimeType"] for b in images] == [i["mime_type"] for i in data["images"]]
+    server.assert_nothing_left()

@@ -17,6 +17,7 @@ from devs_sandbox.models import (
     new_sandbox_id,
     validate_sandbox_id,
 )
+from devs_sandbox.tools.outputs import OutputImage, OutputImages, SkippedImage
 from tests.contracts import RESOURCE_KEYS, RUN_JSON_KEYS
 
 pytestmark = pytest.mark.unit
@@ -68,3 +69,11 @@ def test_every_json_field_is_documented_in_the_readme() -> None:
     out = SandboxOutcome("s", "process", ("rlimits",), result(0)).to_json()
     assert set(out) - named == set()
     assert set(out["resources"]) - named == set()
+    # `--code` runs add the images their program left (and `path` with --outputs).
+    code = OutputImages(
+        (OutputImage("a.png", "image/png", b"\x89PNG\r\n\x1a\n"),),
+        (SkippedImage("b.png", "a symbolic link: not followed", 11),),
+    ).to_json()
+    assert set(code) - named == set()
+    keys = {*code["images"][0], "path", *code["skipped_images"][0]}
+    assert keys - named == set()

@@ -197,6 +197,14 @@ def build_parser() -> _Parser:
         help="the language of --code (python3, node, bash in the sandbox)",
     )
     run.add_argument(
+        "--outputs",
+        type=Path,
+        metavar="DIR",
+        help="with --code: save the images the program left in outputs/ (png, jpeg, gif, "
+        "webp, svg; checked by content, no symlinks, at most 16 of 2 MiB) into the host "
+        "directory DIR",
+    )
+    run.add_argument(
         "--copy-out",
         type=_copy_out,
         action="append",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import threading
@@ -41,7 +42,7 @@ from devs_sandbox.errors import (
 )
 from devs_sandbox.events import SandboxEvents
 from devs_sandbox.models import ExecResult, SandboxOutcome
-from devs_sandbox.tools.code import code_task, spec_of
+from devs_sandbox.tools.code import CodeTask, spec_of
 
 if TYPE_CHECKING:
     from devs_sandbox.lifecycle import Sandbox, SandboxLifecycleManager
@@ -256,6 +257,8 @@ def cmd_run(args: argparse.Namespace, con: Console) -> int:
     if args.code is not None or args.language is not None:
         code = _read_code(args, command, con)
         command = list(spec_of(args.language).argv)
+    elif args.outputs is not None:
+        raise UsageError(f"{PROG} run: --outputs DIR goes with --code", EXIT_CANNOT_RUN)
     if not command:
         raise UsageError(
             f"{PROG} run: missing COMMAND (usage: {PROG} run [OPTIONS] -- COMMAND)", EXIT_CANNOT_RUN
@@ -303,11 +306,12 @@ def cmd_run(args: argparse.Namespace, con: Console) -> int:
     stdout = sys.stdout
     if con.in_process:
         sys.stdout = sys.stderr
+    code_task: CodeTask | None = None
     try:
         task: Any = command
         if code is not None:
             cfg = manager.config_for(cfg, command)
-            task = code_task(
+            task = code_task = CodeTask(
                 code,
                 args.language,
                 after=_copy_outs(args.copy_out, con),
@@ -343,10 +347,13 @@ def cmd_run(args: argparse.Namespace, con: Console) -> int:
             manager.shutdown()
         finally:
             sys.stdout = stdout
+    saved = _save_images(code_task, args.outputs, con) if code_task is not None else None
     if args.json:
         if outcome is not None:
             payload = outcome.to_json()
             payload["exit_code"] = status
+            if saved is not None:
+                payload.update(saved)
         else:
             payload = {"exit_code": status, "error": error_line}
             if lost_node is not None:
@@ -356,6 +363,37 @@ def cmd_run(args: argparse.Namespace, con: Console) -> int:
     if error_line:
         print(f"{PROG}: {error_line}", file=con.err)
     return status
+
+
+def _save_images(task: CodeTask, dest: Path | None, con: Console) -> dict[str, Any]:
+    """``--code``'s images: saved into ``--outputs DIR`` if given (never through a link
+    there), and their listing for ``--json`` (with ``path`` when saved)."""
+    found = task.images.to_json()
+    if dest is not None and task.images.images:
+        folder = con.path(dest)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UsageError(
+                f"{PROG} run: --outputs {dest}: {exc.strerror}", EXIT_CANNOT_RUN
+            ) from None
+        for listing, image in zip(found["images"], task.images.images, strict=True):
+            target = folder / image.name  # a plain file name: listed from one directory
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+            try:
+                fd = os.open(target, flags, 0o644)
+                with os.fdopen(fd, "wb") as out:
+                    out.write(image.data)
+            except OSError as exc:
+                raise UsageError(
+                    f"{PROG} run: --outputs {dest}: {image.name}: {exc.strerror}",
+                    EXIT_CANNOT_RUN,
+                ) from None
+            listing["path"] = str(target)
+    for skipped in task.images.skipped:
+        if dest is not None:
+            print(f"{PROG}: {skipped.name}: not saved: {skipped.reason}", file=con.err)
+    return found
 
 
 def _read_code(args: argparse.Namespace, command: list[str], con: Console) -> bytes:

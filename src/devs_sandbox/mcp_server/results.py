@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from mcp import types
@@ -36,10 +38,25 @@ class ToolCallError(Exception):
     ``data`` the details (``error`` names the kind; the second text block, as JSON).
     Raised inside handlers, turned into ``isError`` results in one place."""
 
-    def __init__(self, message: str, data: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        message: str,
+        data: dict[str, Any],
+        attachments: Sequence[types.ImageContent] = (),
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.data = data
+        self.attachments = tuple(attachments)  # after the text blocks (run_code's images)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A tool's answer with content blocks after its JSON text: the images a ``run_code``
+    program left, each once, as MCP image content (the JSON lists them, without bytes)."""
+
+    output: BaseModel
+    attachments: tuple[types.ImageContent, ...] = ()
 
 
 def argument_problems(exc: ValidationError) -> list[dict[str, str]]:
@@ -142,19 +159,23 @@ def error_result(failure: ToolCallError) -> types.CallToolResult:
         content=[
             types.TextContent(type="text", text=failure.message),
             types.TextContent(type="text", text=_json(failure.data)),
+            *failure.attachments,
         ],
         is_error=True,
     )
 
 
-def ok_result(output: BaseModel, *, structured: bool) -> types.CallToolResult:
+def ok_result(output: BaseModel | Answer, *, structured: bool) -> types.CallToolResult:
     """A tool's answer as one JSON text block; with ``structured`` (a tool that declares
     an ``outputSchema``: the small answers) also as ``structuredContent``. A run tool's
     answer carries the command's output and goes once, in the text block only, which
-    every host shows its model (some show ``structuredContent`` instead when present)."""
-    data = output.model_dump(mode="json")
+    every host shows its model (some show ``structuredContent`` instead when present).
+    An ``Answer``'s attachments (images) follow the text block."""
+    answer = output if isinstance(output, Answer) else Answer(output)
+    attachments = answer.attachments
+    data = answer.output.model_dump(mode="json")
     return types.CallToolResult(
-        content=[types.TextContent(type="text", text=_json(data))],
+        content=[types.TextContent(type="text", text=_json(data)), *attachments],
         structured_content=data if structured else None,
     )
 

@@ -26,6 +26,7 @@ from devs_sandbox.monitors.usage import cpu_busy_threshold
 
 if TYPE_CHECKING:
     from devs_sandbox.mcp_server.progress import ToolCall
+    from devs_sandbox.mcp_server.results import Answer
 
 DEFAULT_VIOLATIONS_LIMIT: Final = 20
 MIN_OUTPUT_BYTES: Final = 64  # as sandbox.maxOutputBytes
@@ -210,6 +211,32 @@ class ShellOutput(BaseModel):
     duration_s: float
 
 
+class ImageListing(BaseModel):
+    """An image ``run_code`` returns as MCP image content (its bytes are there, once)."""
+
+    name: str = Field(description="File name in outputs/.")
+    mime_type: Literal["image/png", "image/jpeg", "image/gif", "image/webp", "image/svg+xml"]
+    size_bytes: int
+
+
+class SkippedListing(BaseModel):
+    """A file of outputs/ named as an image and not returned."""
+
+    name: str
+    reason: str = Field(description="Why: a symlink, its content, a size limit, ...")
+    size_bytes: int
+
+
+class RunCodeOutput(ShellOutput):
+    """``run_code``'s answer when its program left files named as images in outputs/
+    (without any, its answer is ``ShellOutput``, unchanged)."""
+
+    images: list[ImageListing] = Field(
+        description="The images returned as image content after this JSON, in this order."
+    )
+    skipped_images: list[SkippedListing]
+
+
 class CreateOutput(BaseModel):
     sandbox_id: str
     workspace: str = Field(description="The working directory of every sandbox_exec.")
@@ -239,7 +266,7 @@ class ViolationsOutput(BaseModel):
 
 
 # -- listings -------------------------------------------------------------------------------
-Handler = Callable[[Any, "ToolCall"], Awaitable[BaseModel]]
+Handler = Callable[[Any, "ToolCall"], Awaitable["BaseModel | Answer"]]
 
 
 @dataclass(frozen=True)

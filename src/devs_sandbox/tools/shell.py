@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -63,6 +63,11 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+# Work in the per-call sandbox around the command: ``prepare`` before it (write a
+# program), ``finish`` after it however it ended, before the sandbox is destroyed (read
+# what it left; a sandbox that timed out or broke a quota runs nothing more).
+SandboxStep = Callable[[Sandbox], None]
 
 DEFAULT_RSS_LIMIT_BYTES: Final = 4 * GiB
 DEFAULT_CPU_SUSTAINED_MS: Final = 10_000
@@ -273,9 +278,17 @@ def _run(
     stats: ProcessStatsSource | None,
     scheduler: Scheduler | None,
     tap: OutputTap | None = None,
+    prepare: SandboxStep | None = None,
+    finish: SandboxStep | None = None,
 ) -> ShellResult:
     def task(sandbox: Sandbox) -> ExecResult:
-        return monitored_exec(sandbox, command, opts, stats=stats, scheduler=scheduler, tap=tap)
+        if prepare is not None:
+            prepare(sandbox)
+        try:
+            return monitored_exec(sandbox, command, opts, stats=stats, scheduler=scheduler, tap=tap)
+        finally:
+            if finish is not None:
+                finish(sandbox)
 
     # run_in_sandbox owns the sandbox: preflight, total timeout, quota verdict, destroy.
     outcome = manager.run_in_sandbox(task, cfg)
@@ -304,6 +317,8 @@ def run_shell_monitored_sync(
     stats: ProcessStatsSource | None = None,
     scheduler: Scheduler | None = None,
     tap: OutputTap | None = None,
+    prepare: SandboxStep | None = None,
+    finish: SandboxStep | None = None,
 ) -> ShellResult:
     """Run ``command`` with ``/bin/sh -c`` in a fresh sandbox under the RSS/CPU monitor.
 
@@ -322,7 +337,15 @@ def run_shell_monitored_sync(
     with _manager(manager) as mgr:
         cfg = _call_config(config if config is not None else mgr.config.sandbox, opts)
         return _run(
-            command, opts=opts, manager=mgr, cfg=cfg, stats=stats, scheduler=scheduler, tap=tap
+            command,
+            opts=opts,
+            manager=mgr,
+            cfg=cfg,
+            stats=stats,
+            scheduler=scheduler,
+            tap=tap,
+            prepare=prepare,
+            finish=finish,
         )
 
 
@@ -335,6 +358,8 @@ async def run_shell_monitored(
     stats: ProcessStatsSource | None = None,
     scheduler: Scheduler | None = None,
     tap: OutputTap | None = None,
+    prepare: SandboxStep | None = None,
+    finish: SandboxStep | None = None,
 ) -> ShellResult:
     """The asyncio form of ``run_shell_monitored_sync``: the run happens on a worker thread;
     cancelling this coroutine kills and destroys the sandbox before the cancellation
@@ -350,7 +375,15 @@ async def run_shell_monitored(
     def run() -> ShellResult:
         try:
             return _run(
-                command, opts=opts, manager=mgr, cfg=cfg, stats=stats, scheduler=scheduler, tap=tap
+                command,
+                opts=opts,
+                manager=mgr,
+                cfg=cfg,
+                stats=stats,
+                scheduler=scheduler,
+                tap=tap,
+                prepare=prepare,
+                finish=finish,
             )
         finally:
             if own:
