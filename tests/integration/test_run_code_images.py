@@ -189,3 +189,22 @@ def test_mcp_run_code_answers_images_as_image_content(tmp_path: Path) -> None:
 
     server.run(scenario)
     server.assert_nothing_left()
+
+
+def test_outputs_is_not_written_through_a_link_planted_in_it(tmp_path: Path) -> None:
+    """A link in DIR named like an image the program leaves (say, planted by an earlier
+    run's workload copied out) is not followed: the run is refused (125), the target kept."""
+    program = tmp_path / "plot.py"
+    program.write_text(PROGRAM)
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me\n")
+    for name in RETURNED:
+        (saved / name).symlink_to(victim)
+    r = run_cli(
+        "run", "--json", "--code", str(program), "--language", "python", "--outputs", str(saved)
+    )
+    assert r.returncode == 125, r.stderr
+    assert "--outputs" in r.stderr
+    assert victim.read_text() == "keep me\n"
