@@ -317,9 +317,11 @@ class ProcessDriver:
         for attempt in range(1, LAUNCH_ATTEMPTS + 1):
             launch = spawn.Launch()
             held = spawn.HeldOutput(launch, request.on_stdout, request.on_stderr)
+            stops = box.stops
             try:
                 result = self._launch(box, held.request(request), env, launch, cap=cap, cwd=cwd)
-                if not launch.never_started() or attempt == LAUNCH_ATTEMPTS:
+                retry = self._died_in_setup(box, launch, result, stops)
+                if attempt == LAUNCH_ATTEMPTS or not retry:
                     held.flush()
                     return result
             finally:
@@ -330,6 +332,7 @@ class ProcessDriver:
             # root went away while bwrap copied the mount table); the command never ran.
             left = None if total_s is None else total_s - (time.monotonic() - first)
             if left is not None and left <= LAUNCH_RETRY_PAUSE_S:
+                held.flush()
                 return result
             logger.info(
                 "sandbox %s: bwrap failed before the command (%s); trying again",
@@ -339,6 +342,19 @@ class ProcessDriver:
             time.sleep(LAUNCH_RETRY_PAUSE_S * 2 ** (attempt - 1))
             request = dataclasses.replace(request, timeout_s=left)
         raise AssertionError("unreachable")
+
+    def _died_in_setup(
+        self, box: Box, launch: spawn.Launch, result: ExecResult, stops: int
+    ) -> bool:
+        """bwrap exited on its own in its setup (its die(): status 1), the command never
+        ran (``Launch.never_started``), and nobody stopped the sandbox meanwhile: a
+        force_stop or the timeout's kill during setup must never be answered by a restart."""
+        if result.exit_code != 1 or result.signal is not None or result.timed_out:
+            return False
+        if result.idle_timed_out or not launch.never_started():
+            return False
+        with self._lock:
+            return self._boxes.get(box.id) is box and box.stops == stops
 
     def _launch(
         self,
@@ -537,6 +553,7 @@ class ProcessDriver:
         if box is None:
             return
         with box.lock:
+            box.stops += 1
             leaders = list(box.procs)
         for pid in leaders:
             with contextlib.suppress(ProcessLookupError, PermissionError):

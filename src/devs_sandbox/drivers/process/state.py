@@ -65,6 +65,7 @@ class Box:
     warnings: tuple[str, ...] = ()
     procs: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
     peak_processes: int = 0
+    stops: int = 0  # force_stop calls so far: a launch killed by one is never retried
     lock: threading.Lock = field(default_factory=threading.Lock)
     scanner: WorkspaceScanner | None = None
     secrets: dict[str, bytearray] = field(default_factory=dict)
