@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from devs_sandbox.drivers.process.plan import limit_fallbacks
-from devs_sandbox.drivers.process.spawn import owns_uid, rlimits, tasks_of_uid
+from devs_sandbox.drivers.process.spawn import rlimits, tasks_of_uid
 from devs_sandbox.drivers.process.state import Box
-from devs_sandbox.isolation import SANDBOX_UID_BASE, SANDBOX_UID_SPAN
+from devs_sandbox.isolation import SANDBOX_UID_BASE, SANDBOX_UID_SPAN, is_sandbox_uid
 from tests.helpers import config
 
 pytestmark = pytest.mark.unit
@@ -35,9 +35,11 @@ def test_root_is_told_it_has_no_process_limit() -> None:
 
 
 def test_sandbox_uids_are_its_own_and_others_are_shared() -> None:
-    assert owns_uid(SANDBOX_UID_BASE) and owns_uid(SANDBOX_UID_BASE + SANDBOX_UID_SPAN - 1)
-    assert not owns_uid(SANDBOX_UID_BASE + SANDBOX_UID_SPAN)
-    assert not owns_uid(65534) and not owns_uid(1000) and not owns_uid(0)
+    assert is_sandbox_uid(SANDBOX_UID_BASE) and is_sandbox_uid(
+        SANDBOX_UID_BASE + SANDBOX_UID_SPAN - 1
+    )
+    assert not is_sandbox_uid(SANDBOX_UID_BASE + SANDBOX_UID_SPAN)
+    assert not is_sandbox_uid(65534) and not is_sandbox_uid(1000) and not is_sandbox_uid(0)
 
 
 def test_tasks_of_uid_counts_our_threads() -> None:

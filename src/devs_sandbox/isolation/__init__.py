@@ -25,6 +25,12 @@ SANDBOX_UID_BASE = 1_600_000_000
 SANDBOX_UID_SPAN = 1 << 24
 
 
+def is_sandbox_uid(uid: int) -> bool:
+    """Whether ``uid`` is one of the uids root hands out, one per sandbox (else it is
+    shared: the caller's own, nobody, or one the operator named)."""
+    return SANDBOX_UID_BASE <= uid < SANDBOX_UID_BASE + SANDBOX_UID_SPAN
+
+
 @functools.cache
 def _setpriv() -> str | None:
     return shutil.which("setpriv")

@@ -19,6 +19,7 @@ from devs_sandbox.isolation import (
     SANDBOX_UID_BASE,
     SANDBOX_UID_SPAN,
     HostSupport,
+    is_sandbox_uid,
 )
 from devs_sandbox.leases import LeaseRegistry
 
@@ -126,7 +127,7 @@ def limit_fallbacks(config: SandboxLifecycleConfig, uid: int) -> tuple[str, ...]
         )
     if uid == 0:
         out.append("processes: RLIMIT_NPROC does not hold root: no process limit")
-    elif not (SANDBOX_UID_BASE <= uid < SANDBOX_UID_BASE + SANDBOX_UID_SPAN):
+    elif not is_sandbox_uid(uid):
         out.append(
             f"processes: without a pids cgroup the process limit is RLIMIT_NPROC of uid "
             f"{uid}, which the sandbox shares: each command may start "

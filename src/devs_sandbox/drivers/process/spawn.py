@@ -38,10 +38,9 @@ from devs_sandbox.drivers.process.areas import secret_pipes
 from devs_sandbox.drivers.process.state import Box
 from devs_sandbox.errors import DriverError, IsolationUnavailableError
 from devs_sandbox.isolation import (
-    SANDBOX_UID_BASE,
-    SANDBOX_UID_SPAN,
     bwrap,
     drop_privileges_argv,
+    is_sandbox_uid,
     layout,
     unshare,
 )
@@ -202,15 +201,9 @@ def rlimits(box: Box) -> list[tuple[int, int]]:
         # sandbox shares (the caller's own, without root) already runs other processes,
         # which count too: the limit becomes an allowance on top of them, or even `true`
         # could not start under `--max-processes 5`.
-        extra = 0 if owns_uid(box.uid) else tasks_of_uid(box.uid)
+        extra = 0 if is_sandbox_uid(box.uid) else tasks_of_uid(box.uid)
         limits.append((resource.RLIMIT_NPROC, q.process_count_limit + extra))
     return limits
-
-
-def owns_uid(uid: int) -> bool:
-    """Whether ``uid`` is one of the sandbox uids root hands out, one per sandbox (else
-    it is shared: the caller's own, nobody, or one the operator named)."""
-    return SANDBOX_UID_BASE <= uid < SANDBOX_UID_BASE + SANDBOX_UID_SPAN
 
 
 def tasks_of_uid(uid: int) -> int:
