@@ -248,25 +248,15 @@ def build_parser() -> _Parser:
         help="run even where a layer the defaults promise (namespaces, seccomp) is missing; "
         "each missing layer is named on stderr",
     )
-    run.add_argument(
-        "--config",
-        type=Path,
-        metavar="PATH",
-        help="config file (else DEVS_SANDBOX_CONFIG, the user's, the host's)",
-    )
-    run.add_argument("--db", type=Path, metavar="PATH", help="violation store (SQLite)")
+    _add_config_option(run)
+    _add_db_option(run)
     run.add_argument("--json", action="store_true", help="print one JSON object at the end")
     add_cluster_options(run)
     run.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND [ARG...]")
 
     vio = sub.add_parser("violations", help="list recorded violations")
-    vio.add_argument("--db", type=Path, metavar="PATH", help="violation store (SQLite)")
-    vio.add_argument(
-        "--config",
-        type=Path,
-        metavar="PATH",
-        help="config file (else DEVS_SANDBOX_CONFIG, the user's, the host's)",
-    )
+    _add_db_option(vio)
+    _add_config_option(vio)
     vio.add_argument("--sandbox-id", metavar="ID", help="only this sandbox's")
     vio.add_argument(
         "--limit", type=_positive_int, default=None, metavar="N", help="the newest N only"
@@ -274,21 +264,11 @@ def build_parser() -> _Parser:
     vio.add_argument("--json", action="store_true", help="one JSON object on stdout")
 
     doc = sub.add_parser("doctor", help="show which isolation this host supports, and why not")
-    doc.add_argument(
-        "--config",
-        type=Path,
-        metavar="PATH",
-        help="config file (else DEVS_SANDBOX_CONFIG, the user's, the host's)",
-    )
+    _add_config_option(doc)
     doc.add_argument("--json", action="store_true", help="one JSON object on stdout")
 
     clean = sub.add_parser("cleanup", help="reap sandboxes left behind by dead processes")
-    clean.add_argument(
-        "--config",
-        type=Path,
-        metavar="PATH",
-        help="config file (else DEVS_SANDBOX_CONFIG, the user's, the host's)",
-    )
+    _add_config_option(clean)
     clean.add_argument("--json", action="store_true", help="one JSON object on stdout")
     clean.add_argument(
         "--driver",
@@ -310,16 +290,24 @@ def build_parser() -> _Parser:
         "config.json, the user's config, --config / DEVS_SANDBOX_CONFIG, or ./devs.config.json "
         "(which may only tighten).",
     )
-    show.add_argument(
+    _add_config_option(show)
+    show.add_argument("--json", action="store_true", help="{config, sources} as JSON")
+    _add_image_parser(sub)
+    _add_completion_parser(sub)
+    return parser
+
+
+def _add_config_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
         "--config",
         type=Path,
         metavar="PATH",
         help="config file (else DEVS_SANDBOX_CONFIG, the user's, the host's)",
     )
-    show.add_argument("--json", action="store_true", help="{config, sources} as JSON")
-    _add_image_parser(sub)
-    _add_completion_parser(sub)
-    return parser
+
+
+def _add_db_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--db", type=Path, metavar="PATH", help="violation store (SQLite)")
 
 
 def add_cluster_options(parser: argparse.ArgumentParser) -> None:
@@ -381,13 +369,8 @@ def _add_mcp_parser(sub: Any) -> None:
         help="HTTP: require 'Authorization: Bearer TOKEN' on every request, TOKEN being this "
         "file's one line (mode 600, read once at start)",
     )
-    mcp.add_argument(
-        "--config",
-        type=Path,
-        metavar="PATH",
-        help="config file (else DEVS_SANDBOX_CONFIG, the user's, the host's)",
-    )
-    mcp.add_argument("--db", type=Path, metavar="PATH", help="violation store (SQLite)")
+    _add_config_option(mcp)
+    _add_db_option(mcp)
 
 
 def _copy_out(text: str) -> tuple[str, str]:
