@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -40,3 +43,17 @@ def background_pids() -> set[int]:
         return {pid} | {p.pid for p in psutil.Process(pid).children(recursive=True)}
     except psutil.Error:
         return {pid}
+
+
+def run_python(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``code`` in a fresh interpreter (what a fresh process imports, not this one's):
+    output captured as text, no stdin, the environment plus ``env``."""
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        stdin=subprocess.DEVNULL,
+        env=None if env is None else {**os.environ, **env},
+    )

@@ -18,6 +18,7 @@ from devs_sandbox.leases import LeaseRegistry
 from devs_sandbox.store import ViolationStore
 from tests.conftest import run_cli
 from tests.contracts import RESOURCE_KEYS, RUN_JSON_KEYS, task_stderr
+from tests.helpers import run_python
 from tests.integration.helpers import processes_with, wait_for
 
 pytestmark = pytest.mark.integration
@@ -43,14 +44,7 @@ def test_a_local_run_never_imports_ray() -> None:
         "status = main(['run', '--', 'true'])\n"
         "print(status, sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))\n"
     )
-    r = subprocess.run(
-        [sys.executable, "-c", probe],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        stdin=subprocess.DEVNULL,
-    )
+    r = run_python(probe)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split(maxsplit=1) == ["0", "[]\n"], (r.stdout, r.stderr)
 

@@ -22,6 +22,7 @@ from devs_sandbox.images import BuildProgress
 from devs_sandbox.models import DetectionRule, Violation, ViolationType
 from devs_sandbox.store import ViolationStore
 from tests.conftest import run_cli
+from tests.helpers import run_python
 
 pytestmark = pytest.mark.integration
 
@@ -178,14 +179,6 @@ def test_run_in_process_loads_none_of_these_libraries() -> None:
         "print(status, sorted({m.split('.')[0] for m in sys.modules} & "
         "{'rich', 'tenacity', 'platformdirs'}))\n"
     )
-    r = subprocess.run(
-        [sys.executable, "-c", probe],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        stdin=subprocess.DEVNULL,
-        env={**os.environ, "DEVS_SANDBOX_DAEMON": "0"},
-    )
+    r = run_python(probe, env={"DEVS_SANDBOX_DAEMON": "0"})
     assert r.returncode == 0, r.stderr
     assert r.stdout.split(maxsplit=1) == ["0", "[]\n"], (r.stdout, r.stderr)

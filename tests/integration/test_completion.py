@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import os
 import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import pytest
 from devs_sandbox.cli.completion import parsers
 from devs_sandbox.cli.parser import build_parser
 from tests.conftest import run_cli
+from tests.helpers import run_python
 
 pytestmark = pytest.mark.integration
 PROG = "devs-sandbox"
@@ -227,14 +227,7 @@ def test_only_the_completion_command_imports_shtab() -> None:
         "statuses.append(main(['completion', 'fish']))\n"
         "print(statuses, before, 'shtab' in sys.modules, file=sys.stderr)\n"
     )
-    r = subprocess.run(
-        [sys.executable, "-c", probe],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        stdin=subprocess.DEVNULL,
-    )
+    r = run_python(probe)
     assert r.returncode == 0, r.stderr
     assert r.stderr.splitlines()[-1:] == ["[0, 0, 0] False True"], (r.stdout, r.stderr)
 

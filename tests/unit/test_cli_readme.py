@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import argparse
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from devs_sandbox.cli.parser import build_parser
+from tests.helpers import run_python
 
 pytestmark = pytest.mark.unit
 
@@ -92,5 +91,6 @@ def test_version_is_answered_on_the_fast_path_as_argparse_would(
         "import sys; from devs_sandbox.cli.fast import main; main(['--version']); "
         "print(sorted(m for m in ('argparse', 'devs_sandbox.cli.main') if m in sys.modules))"
     )
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    out = run_python(probe)
+    assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == [expected.strip(), "[]"]
