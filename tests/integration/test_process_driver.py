@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import re
 import resource
 import socket
@@ -20,7 +21,7 @@ from typing import Any
 import pytest
 
 from devs_sandbox.base import ExecRequest
-from devs_sandbox.drivers.process import SECRETS_DIR_IN_WORKSPACE, ProcessDriver
+from devs_sandbox.drivers.process import SECRETS_DIR_IN_WORKSPACE, ProcessDriver, spawn
 from devs_sandbox.errors import (
     IsolationUnavailableError,
     QuotaExceededError,
@@ -664,14 +665,21 @@ def test_a_shared_uid_without_cgroups_gets_its_process_limit_on_top_of_what_it_r
     """RLIMIT_NPROC counts every process of a uid. A sandbox that shares one (the caller's,
     without root; here nobody) used to inherit the limit as is, so `--max-processes 5` could
     stop even `true` while the uid ran five others. The limit is an allowance on top of
-    them now, it still stops a fork loop, and the result says how it held."""
-    setpriv = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "sleep", "120"]
+    them now, it still stops a fork loop, and the result says how it held.
+
+    The uid is one of this test's own, not nobody: the kernel counts a uid's processes in
+    every pid namespace that shares the user namespace, so another container running
+    this suite at the same time (CI's fresh hosts do) would spend nobody's allowance with
+    processes this one cannot see, which the warning says."""
+    uid = random.randrange(2_000_000, 3_000_000)
+    assert spawn.tasks_of_uid(uid) == 0
+    setpriv = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "sleep", "120"]
     held = [subprocess.Popen(setpriv) for _ in range(8)]
     try:
         weak = config(
             quotas={"process_count_limit": 5},
             isolation={
-                "run_as_user": "nobody",
+                "run_as_user": uid,
                 "use_cgroups": False,
                 "allow_weaker_isolation": True,
             },
@@ -679,7 +687,7 @@ def test_a_shared_uid_without_cgroups_gets_its_process_limit_on_top_of_what_it_r
         m = manager()
         ok = m.run_in_sandbox("true", weak)
         assert ok.exit_code == 0, ok.result.stderr.text
-        assert any("RLIMIT_NPROC of uid 65534" in w for w in ok.warnings), ok.warnings
+        assert any(f"RLIMIT_NPROC of uid {uid}" in w for w in ok.warnings), ok.warnings
         assert any(w.startswith("memory:") and "RLIMIT_AS" in w for w in ok.warnings)
         bomb = m.run_in_sandbox("for i in $(seq 1 40); do sleep 1 & done; wait; echo all", weak)
         assert "all" not in bomb.result.stdout.text

@@ -131,7 +131,9 @@ def limit_fallbacks(config: SandboxLifecycleConfig, uid: int) -> tuple[str, ...]
         out.append(
             f"processes: without a pids cgroup the process limit is RLIMIT_NPROC of uid "
             f"{uid}, which the sandbox shares: each command may start "
-            f"{q.process_count_limit} beyond the processes that uid already runs"
+            f"{q.process_count_limit} beyond the processes that uid already runs (those "
+            "this host can see: processes of the uid in other containers that share the "
+            "user namespace count too)"
         )
     return tuple(out)
 
