@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -245,6 +246,7 @@ def test_a_call_longer_than_the_typescript_timeout_completes_on_progress(
     assert max(gaps) < 30_000, gaps  # never near the client's 60 s
     assert "bytes of stdout" in progress[-1]["message"]
     assert int(progress[-1]["message"].split(";")[1].split()[0]) > 0  # output so far
+    assert re.search(r"; last line \(stdout\): tick \d+$", progress[-1]["message"])
     server.assert_nothing_left()
 
 
@@ -267,6 +269,7 @@ def test_progress_reaches_the_python_client(tmp_path: Path) -> None:
         assert tool_answer(r)["stdout"] == "start\nend\n"
         assert len(seen) >= 2 and seen[0][0] < seen[1][0] and seen[0][1] is None
         assert "6 bytes of stdout" in str(seen[-1][2])
+        assert str(seen[-1][2]).endswith("; last line (stdout): start")
         count = len(seen)
         r = await client.call_tool(
             "run_shell_monitored", {"command": "sleep 6"}, read_timeout_seconds=CALL_TIMEOUT_S

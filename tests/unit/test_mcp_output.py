@@ -21,7 +21,7 @@ from devs_sandbox.drivers.fake import FakeDriver, FakeSandbox, ok_result
 from devs_sandbox.lifecycle import SandboxLifecycleManager
 from devs_sandbox.lifecycle.sampling import ScriptedProcessStats
 from devs_sandbox.mcp_server import DevsMcpServer
-from devs_sandbox.mcp_server.output import CallOutput
+from devs_sandbox.mcp_server.output import LINE_CHARS, CallOutput
 from devs_sandbox.mcp_server.progress import ToolCall
 from devs_sandbox.models import ExecResult, TreeSample
 from devs_sandbox.tools.sessions import SandboxSessions
@@ -75,6 +75,27 @@ def test_base64_of_a_truncated_stream_is_head_then_tail() -> None:
     kept = base64.b64decode(raw["stdout"])
     assert raw["stdout_truncated"] is True
     assert kept[:50] == data[:50] and kept[50:] == data[-50:]
+
+
+def test_progress_quotes_the_latest_line_of_either_stream_as_a_terminal_shows_it() -> None:
+    out = CallOutput(1 << 20)
+    tap = out.tap()
+    assert tap.on_stdout is not None and tap.on_stderr is not None
+    assert "last line" not in out.progress_message(1)  # nothing written yet
+    tap.on_stdout(b"step 1\nstep 2\npart")
+    assert out.progress_message(2).endswith("; last line (stdout): step 2")
+    tap.on_stderr(b"\x1b[31mwarning: \x1b]0;title\x07slow\x1b[0m\n\n \t\n")  # colours, blanks
+    assert out.progress_message(3).endswith("; last line (stderr): warning: slow")
+    tap.on_stdout(b"ial 3\n")  # the partial line, completed, and stdout wrote last
+    assert out.progress_message(4).endswith("; last line (stdout): partial 3")
+    tap.on_stdout(b" 10%\r 50%\r 90%\r\n")  # a progress bar: its latest state
+    assert out.progress_message(5).endswith("; last line (stdout): 90%")
+    tap.on_stdout(b"nul\x00byte\xff\n")
+    assert out.progress_message(5).endswith("; last line (stdout): nul byte\ufffd")
+    tap.on_stdout(b"x" * 100_000 + b"\n")  # one long line: cut, and read from its end only
+    last = out.progress_message(6).rpartition("(stdout): ")[2]
+    assert last == "x" * (LINE_CHARS - 1) + "\u2026"
+    assert "bytes of stdout" in out.progress_message(6)
 
 
 def test_with_progress_reports_on_an_interval_and_passes_errors_through() -> None:
@@ -146,6 +167,7 @@ def test_the_tools_send_progress_and_cap_output_in_process(tmp_path: Path) -> No
             data = tool_answer(r)
             assert set(data) == SHELL_OUTPUT_KEYS and data["stdout"].startswith("tick\n")
             assert len(seen) >= 3 and "bytes of stdout" in str(seen[-1][1])
+            assert str(seen[-1][1]).endswith("; last line (stdout): tick")
             r = await client.call_tool(
                 "run_shell_monitored", {"command": "flood", "max_output_bytes": 100}
             )

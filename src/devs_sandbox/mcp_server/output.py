@@ -2,8 +2,11 @@
 
 The run tools tap the exec (``tools.shell.OutputTap``): each stream's redacted bytes go
 into a ``HeadTailCapture`` of the call's ``max_output_bytes`` (head and tail, as the
-library keeps them), and the running totals feed the progress notifications. At the end
-the kept bytes are rendered once, into the one JSON text block of the result:
+library keeps them), and the running totals and the latest line of output feed the
+progress notifications (how a host shows a long command is alive; MCP's log
+notifications, which some servers stream output through, are deprecated as of
+2026-07-28). At the end the kept bytes are rendered once, into the one JSON text block of
+the result:
 
 - ``encoding="text"``: UTF-8, with the library's marker where the middle was dropped;
   bytes that are not UTF-8 become U+FFFD and the stream says ``*_binary: true``, so an
@@ -18,6 +21,8 @@ from __future__ import annotations
 
 import base64
 import codecs
+import itertools
+import re
 from typing import Any, Final
 
 from devs_sandbox.capture import TRUNCATION_MARKER, HeadTailCapture
@@ -25,6 +30,25 @@ from devs_sandbox.tools.shell import OutputTap
 
 ENCODINGS: Final = ("text", "base64")
 _UTF8_CONTINUATION: Final = range(0x80, 0xC0)
+# The latest line a progress message quotes: at most this many characters of it, from a
+# partial line of at most LINE_BYTES bytes kept while it is written.
+LINE_CHARS: Final = 160
+LINE_BYTES: Final = 4096
+
+
+# Terminal escape sequences: CSI (colours, cursor moves) and OSC (titles, links).
+_ESCAPES: Final = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?")
+
+
+def _printable(line: bytes) -> str:
+    """A line as a status message may show it: UTF-8 (else U+FFFD), what a terminal
+    would show after the last carriage return (a progress bar's latest state), escape
+    sequences removed and any other control character a space, trimmed and cut to
+    ``LINE_CHARS``."""
+    text = line.decode("utf-8", errors="replace").rstrip("\r").rpartition("\r")[2]
+    text = _ESCAPES.sub("", text)
+    text = "".join(c if c.isprintable() else " " for c in text).strip()
+    return text if len(text) <= LINE_CHARS else text[: LINE_CHARS - 1] + "…"
 
 
 def _is_text(head: bytes, tail: bytes, *, cut: bool) -> bool:
@@ -48,13 +72,28 @@ def _is_text(head: bytes, tail: bytes, *, cut: bool) -> bool:
 
 
 class StreamCopy:
-    """One stream's kept bytes and its total, fed from the exec's thread."""
+    """One stream's kept bytes, its total and its latest non-blank line, fed from the
+    exec's thread (the progress reports read ``last_line`` from another: one reference,
+    replaced whole)."""
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, order: itertools.count[int] | None = None) -> None:
         self._capture = HeadTailCapture(max_bytes)
+        self._order = order if order is not None else itertools.count(1)
+        self._partial = b""
+        self.last_line: tuple[int, str] | None = None  # (order of arrival, the line)
 
     def feed(self, chunk: bytes) -> None:
         self._capture.feed(chunk)
+        data = self._partial + chunk
+        end = data.rfind(b"\n")
+        self._partial = data[end + 1 :][-LINE_BYTES:]
+        while end >= 0:  # back over the complete lines, to the last one not blank
+            start = data.rfind(b"\n", 0, end) + 1
+            shown = _printable(data[max(start, end - LINE_BYTES) : end])
+            if shown:
+                self.last_line = (next(self._order), shown)
+                return
+            end = start - 1
 
     @property
     def total_bytes(self) -> int:
@@ -87,8 +126,9 @@ class CallOutput:
             raise ValueError(f"encoding must be one of {ENCODINGS}")
         self.max_output_bytes = max_output_bytes
         self.encoding = encoding
-        self.stdout = StreamCopy(max_output_bytes)
-        self.stderr = StreamCopy(max_output_bytes)
+        order = itertools.count(1)  # which stream wrote its latest line last
+        self.stdout = StreamCopy(max_output_bytes, order)
+        self.stderr = StreamCopy(max_output_bytes, order)
 
     def tap(self) -> OutputTap:
         return OutputTap(
@@ -98,10 +138,19 @@ class CallOutput:
         )
 
     def progress_message(self, elapsed_s: float) -> str:
-        return (
+        message = (
             f"running for {elapsed_s:.0f} s; {self.stdout.total_bytes} bytes of stdout and "
             f"{self.stderr.total_bytes} of stderr so far"
         )
+        lines = [
+            (line[0], name, line[1])
+            for name, line in (("stdout", self.stdout.last_line), ("stderr", self.stderr.last_line))
+            if line is not None
+        ]
+        if lines:
+            _, name, text = max(lines)
+            message += f"; last line ({name}): {text}"
+        return message
 
     def fields(self) -> dict[str, Any]:
         """The output part of a run tool's answer (success or error)."""
