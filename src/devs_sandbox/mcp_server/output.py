@@ -76,9 +76,9 @@ class StreamCopy:
     exec's thread (the progress reports read ``last_line`` from another: one reference,
     replaced whole)."""
 
-    def __init__(self, max_bytes: int, order: itertools.count[int] | None = None) -> None:
+    def __init__(self, max_bytes: int, order: itertools.count[int]) -> None:
         self._capture = HeadTailCapture(max_bytes)
-        self._order = order if order is not None else itertools.count(1)
+        self._order = order  # shared by both streams of a call
         self._partial = b""
         self.last_line: tuple[int, str] | None = None  # (order of arrival, the line)
 
