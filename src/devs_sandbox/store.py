@@ -2,7 +2,7 @@
 
 Invariants:
 - only parameterized SQL touches user data (sandbox ids come from agents);
-- several processes may write at once and nothing is lost (WAL, a busy timeout,
+- several processes may open and write at once and nothing is lost (WAL, a busy timeout,
   and a bounded retry on ``database is locked``);
 - the schema carries a version (``PRAGMA user_version``) and migrates forward in
   one ``BEGIN IMMEDIATE`` transaction, so two processes starting together do not
@@ -16,15 +16,17 @@ import json
 import logging
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 from devs_sandbox.errors import StoreError
 from devs_sandbox.events import EventBus, SandboxEvents
 from devs_sandbox.models import Violation, violation_row
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 # Each entry migrates from version i to i + 1. Never edit a shipped entry; append.
 MIGRATIONS: Final[Sequence[Sequence[str]]] = (
@@ -58,10 +60,27 @@ COLUMNS: Final = (
 
 BUSY_TIMEOUT_S: Final = 10.0  # how long one statement waits for another process's lock
 LOCKED_RETRIES: Final = 5  # extra attempts when the lock outlives the busy timeout
+LOCKED_FIRST_WAIT_S: Final = 0.05  # then doubling
 
 
 def _locked(exc: BaseException) -> bool:
     return isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc)
+
+
+def _retry_locked(action: Callable[[], _T]) -> _T:
+    """``action()``, tried again up to LOCKED_RETRIES times while SQLite says "locked",
+    waiting 0.05, 0.1, 0.2 ... s between attempts; the last failure propagates.
+
+    Not nested: ``record``'s retry sees ``_connect``'s own exhausted retry as a
+    StoreError, which it passes on."""
+    for attempt in range(LOCKED_RETRIES):
+        try:
+            return action()
+        except sqlite3.OperationalError as exc:
+            if not _locked(exc):
+                raise
+        time.sleep(LOCKED_FIRST_WAIT_S * 2**attempt)
+    return action()
 
 
 class ViolationStore:
@@ -75,27 +94,36 @@ class ViolationStore:
 
     # -- connection -----------------------------------------------------------------
     def _connect(self) -> sqlite3.Connection:
-        if self._conn is not None:
-            return self._conn
+        if self._conn is None:
+            try:
+                self._conn = _retry_locked(self._open)
+            except sqlite3.Error as exc:
+                raise StoreError(f"cannot open violation store {self.path}: {exc}") from exc
+            except OSError as exc:
+                raise StoreError(f"cannot create violation store {self.path}: {exc}") from exc
+        return self._conn
+
+    def _open(self) -> sqlite3.Connection:
+        if str(self.path) != ":memory:":
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        conn = sqlite3.connect(
+            str(self.path),
+            timeout=BUSY_TIMEOUT_S,
+            isolation_level=None,  # explicit transactions only
+            check_same_thread=False,  # guarded by self._lock
+        )
         try:
-            if str(self.path) != ":memory:":
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-            conn = sqlite3.connect(
-                str(self.path),
-                timeout=BUSY_TIMEOUT_S,
-                isolation_level=None,  # explicit transactions only
-                check_same_thread=False,  # guarded by self._lock
-            )
             conn.row_factory = sqlite3.Row
+            # Switching a new file to WAL takes an exclusive lock without calling the
+            # busy handler: a second process opening the same new store at that moment
+            # gets "database is locked" at once. _retry_locked covers it.
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")
             conn.execute("PRAGMA foreign_keys=ON")
             self._migrate(conn)
-        except sqlite3.Error as exc:
-            raise StoreError(f"cannot open violation store {self.path}: {exc}") from exc
-        except OSError as exc:
-            raise StoreError(f"cannot create violation store {self.path}: {exc}") from exc
-        self._conn = conn
+        except BaseException:
+            conn.close()
+            raise
         return conn
 
     @staticmethod
@@ -150,18 +178,13 @@ class ViolationStore:
             f"VALUES ({', '.join('?' for _ in COLUMNS)})"
         )
         params = tuple(row[c] for c in COLUMNS)
-        import tenacity  # noqa: PLC0415  # ~10 ms, paid by the first violation only
 
-        retrying = tenacity.Retrying(
-            retry=tenacity.retry_if_exception(_locked),
-            stop=tenacity.stop_after_attempt(LOCKED_RETRIES + 1),
-            wait=tenacity.wait_exponential(multiplier=0.05),  # 0.05, 0.1, 0.2 ... s
-            reraise=True,
-        )
+        def insert() -> None:
+            with self._lock:
+                self._connect().execute(sql, params)
+
         try:
-            for attempt in retrying:
-                with attempt, self._lock:
-                    self._connect().execute(sql, params)
+            _retry_locked(insert)
         except sqlite3.Error as exc:
             raise StoreError(f"cannot record violation in {self.path}: {exc}") from exc
 

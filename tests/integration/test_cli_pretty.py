@@ -170,14 +170,14 @@ def test_build_progress_on_a_terminal_is_rich_live_display(
 
 
 def test_run_in_process_loads_none_of_these_libraries() -> None:
-    """rich, tenacity and platformdirs cost 10-50 ms each to import: ``run`` (here in
+    """rich and platformdirs cost 10-50 ms each to import: ``run`` (here in
     process, where the whole library is loaded) needs none of them."""
     probe = (
         "import sys\n"
         "from devs_sandbox.cli.fast import main\n"
         "status = main(['run', '--', 'true'])\n"
         "print(status, sorted({m.split('.')[0] for m in sys.modules} & "
-        "{'rich', 'tenacity', 'platformdirs'}))\n"
+        "{'rich', 'platformdirs'}))\n"
     )
     r = run_python(probe, env={"DEVS_SANDBOX_DAEMON": "0"})
     assert r.returncode == 0, r.stderr

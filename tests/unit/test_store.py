@@ -147,6 +147,64 @@ def test_concurrent_writers_from_several_processes_lose_nothing(db_path: Path) -
         assert store.count() == 240
 
 
+def _hold_a_reader_on_a_new_rollback_journal(db_path: Path) -> sqlite3.Connection:
+    """A second process that opened the new store first, mid-read: until it is done,
+    our switch to WAL (an exclusive lock) meets "database is locked"."""
+    other = sqlite3.connect(db_path, isolation_level=None, check_same_thread=False)
+    other.execute("CREATE TABLE early (x)")
+    other.execute("BEGIN")
+    other.execute("SELECT * FROM early").fetchall()
+    return other
+
+
+def test_opening_a_new_store_while_another_process_holds_it_is_retried(
+    db_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(store_module, "BUSY_TIMEOUT_S", 0.01)
+    other = _hold_a_reader_on_a_new_rollback_journal(db_path)
+    with ViolationStore(db_path) as store:
+        real_open = store._open
+        opens = 0
+
+        def open_once_the_first_attempt_failed() -> sqlite3.Connection:
+            nonlocal opens
+            opens += 1
+            if opens == 2:
+                other.execute("COMMIT")
+            return real_open()
+
+        monkeypatch.setattr(store, "_open", open_once_the_first_attempt_failed)
+        store.record(v("after the lock"))
+        assert opens == 2
+        assert [r["sandbox_id"] for r in store.list()] == ["after the lock"]
+        assert store._connect().execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    other.close()
+
+
+def test_a_store_that_stays_locked_at_open_is_one_store_error_not_nested_retries(
+    db_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(store_module, "BUSY_TIMEOUT_S", 0.01)
+    monkeypatch.setattr(store_module, "LOCKED_FIRST_WAIT_S", 0.001)
+    other = _hold_a_reader_on_a_new_rollback_journal(db_path)
+    try:
+        with ViolationStore(db_path) as store:
+            real_open = store._open
+            opens = 0
+
+            def counted_open() -> sqlite3.Connection:
+                nonlocal opens
+                opens += 1
+                return real_open()
+
+            monkeypatch.setattr(store, "_open", counted_open)
+            with pytest.raises(StoreError, match=r"cannot open violation store .*locked"):
+                store.record(v("never"))
+            assert opens == LOCKED_RETRIES + 1
+    finally:
+        other.close()
+
+
 def _hold_write_lock(db_path: Path) -> sqlite3.Connection:
     other = sqlite3.connect(db_path, isolation_level=None, check_same_thread=False)
     other.execute("BEGIN IMMEDIATE")  # WAL: the one writer; ours now meets "database is locked"
@@ -191,6 +249,7 @@ def test_a_lock_that_never_goes_is_a_store_error_after_the_last_retry(
     db_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(store_module, "BUSY_TIMEOUT_S", 0.01)
+    monkeypatch.setattr(store_module, "LOCKED_FIRST_WAIT_S", 0.001)
     with ViolationStore(db_path) as store:
         attempts = _inserts(store)
         other = _hold_write_lock(db_path)
