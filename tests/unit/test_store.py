@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import sqlite3
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -157,25 +158,39 @@ def _hold_a_reader_on_a_new_rollback_journal(db_path: Path) -> sqlite3.Connectio
     return other
 
 
+def _opens(
+    store: ViolationStore,
+    monkeypatch: pytest.MonkeyPatch,
+    before: Callable[[int], None] = lambda _attempt: None,
+) -> list[int]:
+    """The store's attempts to open its file, as ``_inserts`` lists its inserts;
+    ``before(n)`` runs just before attempt n."""
+    attempts: list[int] = []
+    real_open = store._open
+
+    def counted_open() -> sqlite3.Connection:
+        attempts.append(len(attempts) + 1)
+        before(attempts[-1])
+        return real_open()
+
+    monkeypatch.setattr(store, "_open", counted_open)
+    return attempts
+
+
 def test_opening_a_new_store_while_another_process_holds_it_is_retried(
     db_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(store_module, "BUSY_TIMEOUT_S", 0.01)
     other = _hold_a_reader_on_a_new_rollback_journal(db_path)
     with ViolationStore(db_path) as store:
-        real_open = store._open
-        opens = 0
 
-        def open_once_the_first_attempt_failed() -> sqlite3.Connection:
-            nonlocal opens
-            opens += 1
-            if opens == 2:
+        def release_once_the_first_attempt_failed(attempt: int) -> None:
+            if attempt == 2:
                 other.execute("COMMIT")
-            return real_open()
 
-        monkeypatch.setattr(store, "_open", open_once_the_first_attempt_failed)
+        opens = _opens(store, monkeypatch, release_once_the_first_attempt_failed)
         store.record(v("after the lock"))
-        assert opens == 2
+        assert len(opens) == 2
         assert [r["sandbox_id"] for r in store.list()] == ["after the lock"]
         assert store._connect().execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     other.close()
@@ -189,18 +204,10 @@ def test_a_store_that_stays_locked_at_open_is_one_store_error_not_nested_retries
     other = _hold_a_reader_on_a_new_rollback_journal(db_path)
     try:
         with ViolationStore(db_path) as store:
-            real_open = store._open
-            opens = 0
-
-            def counted_open() -> sqlite3.Connection:
-                nonlocal opens
-                opens += 1
-                return real_open()
-
-            monkeypatch.setattr(store, "_open", counted_open)
+            opens = _opens(store, monkeypatch)
             with pytest.raises(StoreError, match=r"cannot open violation store .*locked"):
                 store.record(v("never"))
-            assert opens == LOCKED_RETRIES + 1
+            assert len(opens) == LOCKED_RETRIES + 1
     finally:
         other.close()
 
